@@ -1,0 +1,284 @@
+"""The agent's HTTP API (DESIGN.md §6), a FastAPI application.
+
+Endpoints:
+
+* ``POST /v1/events`` — one event batch, ``application/json`` or ``application/msgpack``
+  (``application/x-msgpack``). 200 ``{"status": "stored"|"duplicate", "events": n}``; 415 for
+  another content type; 413 above ``max_body_bytes``; 422 ``{"error": {"path", "reason"}}`` for
+  a batch that breaks the contract (nothing of it is stored).
+* ``POST /v1/sql`` — ``{"sql": str, "format": "json"|"csv"|"arrow", "limit": int?}`` through the
+  read-only sandbox (:mod:`agent.sql`). 400 bad SQL or request, 403 not a single SELECT, 408 time
+  limit. ``limit`` is capped by ``sql_row_limit``.
+* ``GET /v1/query/{name}`` — a named query (:mod:`agent.queries`), parameters in the query
+  string plus ``format``. 404 unknown query, 400 bad parameter.
+* ``GET /metrics`` — Prometheus text exposition of the agent's own registry.
+* ``GET /healthz`` — 200 while the process runs (never needs the token).
+* ``GET /readyz`` — 200 once the store is open and migrated, else 503.
+
+Errors are JSON ``{"error": {"reason": str, ...}}`` with extra keys where useful (``path`` for
+events, ``param`` for query parameters, ``known`` for unknown queries). For CSV and Arrow answers
+the ``X-KVScope-Truncated`` header carries ``truncated``.
+
+Authentication: with a token (``config.token``, else ``KVSCOPE_TOKEN``), every path but
+``/healthz`` needs ``Authorization: Bearer <token>`` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from agent import queries, sql
+from agent.config import AgentConfig
+from agent.ingest import ingest_batch, record_rejected
+from agent.metrics import AgentMetrics
+from agent.store import Store, utc_now
+from engine.events import ContentFormat, EventError, decode_batch
+
+EVENT_MEDIA_TYPES: dict[str, ContentFormat] = {
+    "application/json": "json",
+    "application/msgpack": "msgpack",
+    "application/x-msgpack": "msgpack",
+}
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def error_response(status: int, reason: str, **extra: Any) -> JSONResponse:
+    """The uniform error body ``{"error": {"reason": ..., **extra}}``."""
+    return JSONResponse({"error": {"reason": reason, **extra}}, status_code=status)
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, reason: str, **extra: Any) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.extra = extra
+
+
+def resolve_token(config: AgentConfig, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The bearer token in force: ``config.token``, else ``KVSCOPE_TOKEN``, else none."""
+    return config.token or environ.get("KVSCOPE_TOKEN") or None
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP path but ``open_paths`` needs ``Authorization: Bearer``."""
+
+    def __init__(self, app: ASGIApp, *, token: str, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self._expected = f"Bearer {token}".encode()
+        self._open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open_paths:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(401, "missing or wrong bearer token")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
+class SqlRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of ``POST /v1/sql``."""
+
+    sql: str
+    format: Literal["json", "csv", "arrow"] = "json"
+    limit: int | None = None
+
+
+def create_app(
+    config: AgentConfig,
+    store: Store | None = None,
+    *,
+    metrics: AgentMetrics | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> FastAPI:
+    """Build the agent's application.
+
+    Args:
+        config: the agent's settings (limits, token).
+        store: an open store the caller owns (and closes). ``None``: the app opens
+            ``config.db_path`` at startup and closes it at shutdown (its lifespan).
+        metrics: the metrics to update and expose; ``None`` creates a fresh registry. Pass the
+            same instance to the alert scheduler so its gauge is exposed here.
+        environ: where ``KVSCOPE_TOKEN`` is read from.
+
+    ``app.state.store`` and ``app.state.metrics`` hold what the app uses.
+    """
+    metrics = metrics if metrics is not None else AgentMetrics()
+    owns_store = store is None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if owns_store:
+            app.state.store = await run_in_threadpool(Store.open, config.db_path)
+        try:
+            yield
+        finally:
+            if owns_store and app.state.store is not None:
+                opened, app.state.store = app.state.store, None
+                await run_in_threadpool(opened.close)
+
+    app = FastAPI(title="kvscope agent", version="1", lifespan=lifespan)
+    app.state.store = store
+    app.state.metrics = metrics
+    app.state.config = config
+
+    token = resolve_token(config, environ)
+    if token is not None:
+        app.add_middleware(BearerAuth, token=token, open_paths=OPEN_PATHS)
+
+    def current_store() -> Store:
+        current: Store | None = app.state.store
+        if current is None or not current.is_open:
+            raise _ApiError(503, "the store is not open")
+        return current
+
+    @app.exception_handler(_ApiError)
+    async def _api_error(request: Request, exc: _ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.reason, **exc.extra)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, "invalid request", details=jsonable_encoder(exc.errors()))
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        current: Store | None = app.state.store
+        if current is None or not current.is_open:
+            return error_response(503, "not ready: the store is not open")
+        return JSONResponse({"status": "ready", "schema_version": current.schema_version})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+    @app.post("/v1/events")
+    async def post_events(request: Request) -> JSONResponse:
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        fmt = EVENT_MEDIA_TYPES.get(media_type)
+        if fmt is None:
+            raise _ApiError(
+                415,
+                f"unsupported content type {media_type or '(none)'!r}; "
+                f"send one of {', '.join(EVENT_MEDIA_TYPES)}",
+            )
+        body = await _read_body(request, config.max_body_bytes)
+        target = current_store()
+        return await run_in_threadpool(_ingest, target, body, fmt)
+
+    def _ingest(target: Store, body: bytes, fmt: ContentFormat) -> JSONResponse:
+        received_at = utc_now()
+        try:
+            batch = decode_batch(body, fmt)
+            outcome = ingest_batch(target, batch, received_at=received_at)
+        except EventError as exc:
+            record_rejected(target, body, fmt, exc, received_at=received_at)
+            metrics.observe_rejected()
+            return error_response(422, exc.reason, path=exc.path)
+        metrics.observe_ingest(outcome)
+        return JSONResponse({"status": outcome.status, "events": outcome.events})
+
+    @app.post("/v1/sql")
+    async def post_sql(request: Request) -> Response:
+        body = await _read_body(request, config.max_body_bytes)
+        try:
+            req = msgspec.json.decode(body, type=SqlRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _ApiError(400, f"invalid request body: {exc}") from None
+        if req.limit is not None and req.limit < 1:
+            raise _ApiError(400, f"limit must be >= 1, got {req.limit}")
+        limit = min(req.limit or config.sql_row_limit, config.sql_row_limit)
+        target = current_store()
+
+        def run() -> sql.ResultSet:
+            statement = sql.check_read_only(req.sql)
+            return sql.run_read_query(
+                target, statement, row_limit=limit, timeout_seconds=config.sql_timeout_seconds
+            )
+
+        try:
+            result = await run_in_threadpool(run)
+        except sql.SqlError as exc:
+            raise _ApiError(exc.status, exc.reason) from None
+        return _result_response(result, req.format)
+
+    @app.get("/v1/query/{name}")
+    async def get_named_query(name: str, request: Request) -> Response:
+        params = dict(request.query_params)
+        fmt = params.pop("format", "json")
+        if fmt not in sql.RESULT_FORMATS:
+            raise _ApiError(
+                400, f"format must be one of {', '.join(sql.RESULT_FORMATS)}", param="format"
+            )
+        try:
+            query = queries.get_query(name)
+            bound = query.bind(params, now=utc_now())
+        except queries.UnknownQuery as exc:
+            raise _ApiError(exc.status, exc.reason, known=exc.known) from None
+        except queries.BadParam as exc:
+            raise _ApiError(exc.status, exc.reason, param=exc.param) from None
+        target = current_store()
+        try:
+            result = await run_in_threadpool(
+                lambda: sql.run_read_query(
+                    target,
+                    query.sql,
+                    bound,
+                    row_limit=config.sql_row_limit,
+                    timeout_seconds=config.sql_timeout_seconds,
+                )
+            )
+        except sql.SqlError as exc:
+            raise _ApiError(exc.status, exc.reason) from None
+        return _result_response(result, fmt)
+
+    return app
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refusing (413) anything over ``max_bytes`` without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _ApiError(413, f"body of {declared} bytes exceeds the limit of {max_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _ApiError(413, f"body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _result_response(result: sql.ResultSet, fmt: sql.ResultFormat) -> Response:
+    return Response(
+        sql.render(result, fmt),
+        media_type=sql.MEDIA_TYPES[fmt],
+        headers={"X-KVScope-Truncated": "true" if result.truncated else "false"},
+    )

@@ -1,0 +1,110 @@
+"""A client of the agent's HTTP API, shared by the CLI and the dashboard.
+
+Named queries (``GET /v1/query/{name}``) are fetched as Arrow streams so column types
+(timestamps, integers) survive; ``POST /v1/sql`` answers are returned as they came. Failures
+become :class:`AgentError` with a message fit to show a user: "agent unreachable at URL" when
+nothing answers, the agent's own reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pyarrow as pa
+
+DEFAULT_AGENT_URL = "http://127.0.0.1:9400"
+AGENT_URL_ENV = "KVSCOPE_AGENT_URL"
+TOKEN_ENV = "KVSCOPE_TOKEN"
+
+
+class AgentError(Exception):
+    """The agent could not answer; ``str(error)`` is a message for the user."""
+
+
+def default_agent_url(environ: Mapping[str, str] = os.environ) -> str:
+    """``KVSCOPE_AGENT_URL``, else :data:`DEFAULT_AGENT_URL`."""
+    return environ.get(AGENT_URL_ENV) or DEFAULT_AGENT_URL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentClient:
+    """Talks to one agent.
+
+    Attributes:
+        base_url: the agent's root URL, e.g. ``http://127.0.0.1:9400``.
+        token: bearer token, when the agent requires one (default: ``KVSCOPE_TOKEN``).
+        timeout_seconds: per request (connect and read).
+
+    Raises:
+        ValueError: a URL that is not http(s) or a non-positive timeout.
+    """
+
+    base_url: str = DEFAULT_AGENT_URL
+    token: str | None = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or None)
+    timeout_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"agent URL must start with http:// or https://, got {self.base_url!r}")
+        if not self.timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0, got {self.timeout_seconds}")
+        object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            return httpx.request(method, f"{self.base_url}{path}", headers=headers, timeout=self.timeout_seconds, **kwargs)
+        except httpx.TimeoutException:
+            raise AgentError(f"agent at {self.base_url} did not answer within {self.timeout_seconds:g} s") from None
+        except httpx.TransportError as exc:
+            raise AgentError(f"agent unreachable at {self.base_url} ({exc})") from None
+
+    def query_table(self, name: str, **params: object) -> pa.Table:
+        """Run the named query ``name`` (``None`` parameters are left out).
+
+        Raises:
+            AgentError: the agent is unreachable, or refused the query (its reason included).
+        """
+        args = {k: str(v) for k, v in {**params, "format": "arrow"}.items() if v is not None}
+        response = self._request("GET", f"/v1/query/{name}", params=args)
+        if response.status_code != 200:
+            raise AgentError(
+                f"agent at {self.base_url} refused query {name} (HTTP {response.status_code}): {_reason(response)}"
+            )
+        try:
+            return pa.ipc.open_stream(response.content).read_all()
+        except pa.ArrowInvalid as exc:
+            raise AgentError(f"agent at {self.base_url} sent an unreadable answer: {exc}") from None
+
+    def query(self, name: str, **params: object) -> list[dict[str, Any]]:
+        """The named query's rows as dicts."""
+        return self.query_table(name, **params).to_pylist()
+
+    def sql(self, sql: str, fmt: str = "json") -> httpx.Response:
+        """The answer of ``POST /v1/sql`` in ``fmt`` (json, csv or arrow).
+
+        Raises:
+            AgentError: unreachable, or the query was refused (the agent's reason included).
+        """
+        response = self._request("POST", "/v1/sql", json={"sql": sql, "format": fmt})
+        if response.status_code != 200:
+            raise AgentError(f"HTTP {response.status_code}: {_reason(response)}")
+        return response
+
+    def ready(self) -> bool:
+        """Whether the agent answers ``/readyz`` with 200 (never raises)."""
+        try:
+            return self._request("GET", "/readyz").status_code == 200
+        except AgentError:
+            return False
+
+
+def _reason(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["reason"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200] or response.reason_phrase

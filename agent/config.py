@@ -1,0 +1,175 @@
+"""Agent configuration: one frozen dataclass and its YAML loader.
+
+A YAML file holds a flat mapping whose keys are the field names of :class:`AgentConfig`::
+
+    host: 0.0.0.0
+    port: 9400
+    data_dir: /var/lib/kvscope
+    token: s3cret            # or set KVSCOPE_TOKEN in the environment
+    sql_row_limit: 10000
+    sql_timeout_seconds: 10
+    alert_threshold: 0.5     # RecoverableHitRateLow fires below this windowed ratio
+
+Command-line flags override file values with :func:`dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from alerts.rules import RecoverableHitRateRule
+
+MiB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the file and the key."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AgentConfig:
+    """Everything the agent needs to run.
+
+    Attributes:
+        host, port: where the HTTP API listens.
+        data_dir: folder holding the DuckDB file (``kvscope.duckdb``) and the alert log
+            (``alerts.log``); created on start.
+        token: bearer token required on every route but ``/healthz``; ``None`` falls back to the
+            ``KVSCOPE_TOKEN`` environment variable, and to no authentication when that is unset.
+        sql_row_limit: most rows one ``/v1/sql`` or ``/v1/query`` answer carries.
+        sql_timeout_seconds: a read query running longer is interrupted (HTTP 408).
+        max_body_bytes: largest accepted ``POST /v1/events`` body (HTTP 413 above it).
+        alert_threshold: the ``RecoverableHitRateLow`` rule fires when the windowed recoverable
+            hit rate (a ratio in [0, 1]) falls below it.
+        alert_window_seconds: the rule's window.
+        alert_min_prompt_tokens: below this many prompt tokens in the window a series has
+            "no data" (never 0%).
+        alert_ingest_lag_seconds: the evaluation runs this many seconds after each minute
+            boundary and ends its window that long before now, so late events are counted.
+        alert_interval_seconds: evaluate every N seconds instead of on minute boundaries
+            (tests and demos); ``None`` keeps the minute schedule.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 9400
+    data_dir: Path = Path("kvscope-data")
+    token: str | None = None
+    sql_row_limit: int = 10_000
+    sql_timeout_seconds: float = 10.0
+    max_body_bytes: int = 32 * MiB
+    alert_threshold: float = 0.5
+    alert_window_seconds: int = 60
+    alert_min_prompt_tokens: int = 1000
+    alert_ingest_lag_seconds: int = 5
+    alert_interval_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not isinstance(self.data_dir, Path):
+            object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.token is not None and not self.token:
+            raise ValueError("token must not be empty (use null for no token)")
+        if self.sql_row_limit < 1:
+            raise ValueError(f"sql_row_limit must be >= 1, got {self.sql_row_limit}")
+        if not self.sql_timeout_seconds > 0:
+            raise ValueError(f"sql_timeout_seconds must be > 0, got {self.sql_timeout_seconds}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if not 0 <= self.alert_ingest_lag_seconds <= 59:
+            raise ValueError(
+                f"alert_ingest_lag_seconds must be in [0, 59], got {self.alert_ingest_lag_seconds}"
+            )
+        if self.alert_interval_seconds is not None and not self.alert_interval_seconds > 0:
+            raise ValueError(
+                f"alert_interval_seconds must be > 0 or null, got {self.alert_interval_seconds}"
+            )
+        self.alert_rule  # noqa: B018 — validates the alert_* rule settings now, not at first use
+
+    @property
+    def db_path(self) -> Path:
+        """The DuckDB file: ``data_dir / "kvscope.duckdb"``."""
+        return self.data_dir / "kvscope.duckdb"
+
+    @property
+    def alert_log_path(self) -> Path:
+        """The log receiver's file, one JSON notification per line."""
+        return self.data_dir / "alerts.log"
+
+    @property
+    def alert_rule(self) -> RecoverableHitRateRule:
+        """The built-in recoverable-hit-rate rule with this config's settings."""
+        return RecoverableHitRateRule(
+            threshold=self.alert_threshold,
+            window_seconds=self.alert_window_seconds,
+            min_prompt_tokens=self.alert_min_prompt_tokens,
+        )
+
+
+def load_config(path: str | Path) -> AgentConfig:
+    """Read an :class:`AgentConfig` from a YAML file (a flat mapping of field names).
+
+    Missing keys take their defaults. Raises :class:`ConfigError` (a ``ValueError``) naming the
+    file and the key for an unreadable file, bad YAML, an unknown key, a value of the wrong type
+    or a value the config rejects.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(raw).__name__}")
+    return config_from_mapping(raw, source=str(path))
+
+
+def config_from_mapping(raw: Mapping[object, object], *, source: str = "<config>") -> AgentConfig:
+    """Build an :class:`AgentConfig` from a plain mapping (what :func:`load_config` parsed).
+
+    Raises :class:`ConfigError` naming ``source`` and the offending key.
+    """
+    hints = typing.get_type_hints(AgentConfig)
+    known = [f.name for f in dataclasses.fields(AgentConfig)]
+    values: dict[str, object] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or key not in hints:
+            raise ConfigError(f"{source}: unknown key {key!r}; known keys: {', '.join(known)}")
+        values[key] = _coerce(source, key, value, hints[key])
+    try:
+        return AgentConfig(**values)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _coerce(source: str, key: str, value: object, hint: object) -> object:
+    """Check ``value`` against the field's type hint; ints are accepted where floats are."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        if option is Path and isinstance(value, str) and value:
+            return Path(value)
+        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if option in (int, str) and type(value) is option:
+            return value
+    expected = " or ".join(
+        "null" if o is type(None) else getattr(o, "__name__", str(o)) for o in options
+    )
+    raise ConfigError(
+        f"{source}: key {key!r} must be {expected}, got {type(value).__name__} {value!r}"
+    )

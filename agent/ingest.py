@@ -1,0 +1,307 @@
+"""Event batches into the store.
+
+Contract:
+
+* :func:`build_tables` turns a decoded :class:`~engine.events.EventBatch` into one Arrow table per
+  event kind, typed like the store's tables; it raises :class:`~engine.events.EventError` for a
+  value the store cannot hold (a ``ts`` past year 9999, an integer past its column's range), so
+  such a batch is rejected before anything is written.
+* :func:`ingest_batch` stores the tables and the batch's ``ingest_batches`` row in **one**
+  transaction (bulk ``INSERT ... SELECT`` from the registered Arrow tables, never row by row).
+  It is idempotent on (engine_id, seq): a batch already stored is acknowledged as ``duplicate``
+  and stores no event (only its ``duplicate`` row in ``ingest_batches``).
+* :func:`record_rejected` is the best-effort audit row of a batch that failed to decode.
+
+``ingest_batches.rows`` counts the event rows that batch stored: the event count for ``stored``,
+0 for ``duplicate`` and ``rejected``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+import msgspec
+import pyarrow as pa
+
+from agent.store import Store
+from engine.events import (
+    BlockEvent,
+    CacheLookup,
+    ContentFormat,
+    EngineStats,
+    Event,
+    EventBatch,
+    EventError,
+    RequestEvent,
+)
+
+MAX_TS_SECONDS = 253_402_300_799.0
+"""9999-12-31T23:59:59Z: the latest event time a TIMESTAMP column holds."""
+
+_INT_RANGES = {pa.int32(): 2**31 - 1, pa.int64(): 2**63 - 1}
+_TS = pa.timestamp("us")
+
+
+@dataclass(frozen=True, slots=True)
+class _TableSpec:
+    """Where one event kind is stored: the table and its columns (event field names, except
+    ``ingested_at`` which the agent sets), with their Arrow types."""
+
+    kind: str
+    table: str
+    columns: tuple[tuple[str, pa.DataType], ...]
+
+    @property
+    def column_list(self) -> str:
+        return ", ".join(name for name, _ in self.columns)
+
+
+_COMMON_TOKENS = (
+    ("hash_hit_tokens", pa.int64()),
+    ("usable_tokens", pa.int64()),
+    ("recoverable_tokens", pa.int64()),
+    ("replayed_tokens", pa.int64()),
+)
+
+TABLE_SPECS: dict[type[Event], _TableSpec] = {
+    CacheLookup: _TableSpec(
+        "cache_lookup",
+        "cache_lookups",
+        (
+            ("ts", _TS),
+            ("engine_id", pa.string()),
+            ("request_id", pa.string()),
+            ("model", pa.string()),
+            ("form", pa.string()),
+            ("tier", pa.string()),
+            ("outcome", pa.string()),
+            ("reason", pa.string()),
+            *_COMMON_TOKENS,
+            ("approximate", pa.bool_()),
+            ("recovery_seconds", pa.float64()),
+            ("bytes_moved", pa.int64()),
+            ("layer_group", pa.int32()),
+            ("tp_rank", pa.int32()),
+            ("epoch", pa.int64()),
+            ("ingested_at", _TS),
+        ),
+    ),
+    RequestEvent: _TableSpec(
+        "request",
+        "requests",
+        (
+            ("ts", _TS),
+            ("engine_id", pa.string()),
+            ("request_id", pa.string()),
+            ("model", pa.string()),
+            ("prompt_tokens", pa.int64()),
+            ("output_tokens", pa.int64()),
+            ("hash_hit_tokens", pa.int64()),
+            ("resume_tokens", pa.int64()),
+            ("recoverable_tokens", pa.int64()),
+            ("replayed_tokens", pa.int64()),
+            ("recomputed_tokens", pa.int64()),
+            ("approximate", pa.bool_()),
+            ("limiting_form", pa.string()),
+            ("limiting_reason", pa.string()),
+            ("admission", pa.string()),
+            ("ttft_seconds", pa.float64()),
+            ("e2e_seconds", pa.float64()),
+            ("ingested_at", _TS),
+        ),
+    ),
+    EngineStats: _TableSpec(
+        "engine_stats",
+        "engine_stats",
+        (
+            ("ts", _TS),
+            ("engine_id", pa.string()),
+            ("model", pa.string()),
+            ("form", pa.string()),
+            ("tier", pa.string()),
+            ("used_bytes", pa.int64()),
+            ("used_blocks", pa.int64()),
+            ("cached_blocks", pa.int64()),
+            ("free_blocks", pa.int64()),
+            ("total_blocks", pa.int64()),
+            ("running_requests", pa.int64()),
+            ("waiting_requests", pa.int64()),
+            ("recoveries_in_flight", pa.int64()),
+            ("ingested_at", _TS),
+        ),
+    ),
+    BlockEvent: _TableSpec(
+        "block",
+        "block_events",
+        (
+            ("ts", _TS),
+            ("engine_id", pa.string()),
+            ("model", pa.string()),
+            ("form", pa.string()),
+            ("tier", pa.string()),
+            ("action", pa.string()),
+            ("block_hash", pa.string()),
+            ("block_id", pa.int64()),
+            ("num_tokens", pa.int64()),
+            ("ingested_at", _TS),
+        ),
+    ),
+}
+"""Event class → its table. Keys of :func:`build_tables`'s result are the ``table`` names."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IngestOutcome:
+    """What :func:`ingest_batch` did. ``tables`` holds the stored tables (empty for a
+    duplicate), keyed by table name, for the caller's metrics."""
+
+    status: Literal["stored", "duplicate"]
+    engine_id: str
+    seq: int
+    events: int
+    events_by_kind: dict[str, int] = field(default_factory=dict)
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+
+
+def build_tables(batch: EventBatch, *, ingested_at: datetime) -> dict[str, pa.Table]:
+    """One Arrow table per event kind present in ``batch`` (table name → table), rows in batch
+    order. ``ingested_at`` is a naive UTC datetime.
+
+    Raises:
+        EventError: a ``ts`` or integer that does not fit its column (path names the event).
+    """
+    grouped: dict[type[Event], list[tuple[int, Event]]] = defaultdict(list)
+    for index, event in enumerate(batch.events):
+        grouped[type(event)].append((index, event))
+    tables: dict[str, pa.Table] = {}
+    for cls, items in grouped.items():
+        spec = TABLE_SPECS[cls]
+        arrays = [_column(items, name, dtype, ingested_at) for name, dtype in spec.columns]
+        tables[spec.table] = pa.Table.from_arrays(
+            arrays, schema=pa.schema([pa.field(name, dtype) for name, dtype in spec.columns])
+        )
+    return tables
+
+
+def _column(
+    items: list[tuple[int, Event]], name: str, dtype: pa.DataType, ingested_at: datetime
+) -> pa.Array:
+    if name == "ingested_at":
+        return pa.array([ingested_at] * len(items), dtype)
+    if name == "ts":
+        micros = []
+        for index, event in items:
+            if not event.ts <= MAX_TS_SECONDS:
+                raise EventError(f"$.events[{index}].ts", f"{event.ts} is past year 9999")
+            micros.append(round(event.ts * 1_000_000))
+        return pa.array(micros, pa.int64()).cast(dtype)
+    values = [getattr(event, name) for _, event in items]
+    bound = _INT_RANGES.get(dtype)
+    if bound is not None:
+        for (index, _), value in zip(items, values, strict=True):
+            if value > bound:
+                raise EventError(f"$.events[{index}].{name}", f"{value} exceeds {bound}")
+    return pa.array(values, dtype)
+
+
+def ingest_batch(store: Store, batch: EventBatch, *, received_at: datetime) -> IngestOutcome:
+    """Store ``batch`` in one transaction, idempotently on (engine_id, seq).
+
+    ``received_at`` (naive UTC) becomes every row's ``ingested_at`` and the batch's
+    ``received_at``. Nothing is stored when this raises.
+
+    Raises:
+        EventError: see :func:`build_tables` (checked before the transaction starts).
+        duckdb.Error: the store failed; the transaction was rolled back.
+    """
+    tables = build_tables(batch, ingested_at=received_at)
+    by_kind = {TABLE_SPECS[cls].kind: n for cls, n in Counter(map(type, batch.events)).items()}
+    key = {"engine_id": batch.engine_id, "seq": batch.seq, "received_at": received_at}
+    with store.transaction() as cur:
+        ((already_stored,),) = cur.execute(
+            "SELECT count(*) FROM ingest_batches "
+            "WHERE engine_id = $engine_id AND seq = $seq AND status = 'stored'",
+            {"engine_id": batch.engine_id, "seq": batch.seq},
+        ).fetchall()
+        if already_stored > 0:
+            cur.execute(
+                "INSERT INTO ingest_batches VALUES "
+                "($engine_id, $seq, $received_at, 0, 'duplicate', NULL)",
+                key,
+            )
+            return IngestOutcome(
+                status="duplicate",
+                engine_id=batch.engine_id,
+                seq=batch.seq,
+                events=len(batch.events),
+                events_by_kind=by_kind,
+            )
+        for spec in TABLE_SPECS.values():
+            table = tables.get(spec.table)
+            if table is None:
+                continue
+            view = f"_ingest_{spec.table}"
+            cur.register(view, table)
+            try:
+                # Identifiers come from TABLE_SPECS (code), never from the request.
+                cur.execute(
+                    f"INSERT INTO {spec.table} ({spec.column_list}) "
+                    f"SELECT {spec.column_list} FROM {view}"
+                )
+            finally:
+                cur.unregister(view)
+        cur.execute(
+            "INSERT INTO ingest_batches VALUES "
+            "($engine_id, $seq, $received_at, $rows, 'stored', NULL)",
+            {**key, "rows": len(batch.events)},
+        )
+    return IngestOutcome(
+        status="stored",
+        engine_id=batch.engine_id,
+        seq=batch.seq,
+        events=len(batch.events),
+        events_by_kind=by_kind,
+        tables=tables,
+    )
+
+
+class _BatchHeader(msgspec.Struct):
+    """The two fields a rejected batch is filed under; every other field is ignored."""
+
+    engine_id: str
+    seq: int
+
+
+MAX_ERROR_CHARS = 2000
+
+
+def record_rejected(
+    store: Store, body: bytes, fmt: ContentFormat, error: EventError, *, received_at: datetime
+) -> bool:
+    """Best effort: file a ``rejected`` row in ``ingest_batches`` when the body's ``engine_id``
+    and ``seq`` are readable. Returns whether a row was written. Stores no event."""
+    try:
+        header = (
+            msgspec.json.decode(body, type=_BatchHeader)
+            if fmt == "json"
+            else msgspec.msgpack.decode(body, type=_BatchHeader)
+        )
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    if not 0 < len(header.engine_id) <= 256 or not 0 <= header.seq < 2**63:
+        return False
+    with store.transaction() as cur:
+        cur.execute(
+            "INSERT INTO ingest_batches VALUES "
+            "($engine_id, $seq, $received_at, 0, 'rejected', $error)",
+            {
+                "engine_id": header.engine_id,
+                "seq": header.seq,
+                "received_at": received_at,
+                "error": str(error)[:MAX_ERROR_CHARS],
+            },
+        )
+    return True

@@ -1,0 +1,146 @@
+"""The agent's schema, as ordered, versioned migrations.
+
+A migration is never edited once released: a schema change is a new migration with the next
+version. :class:`agent.store.Store` applies the ones a database lacks, each in its own
+transaction together with its ``schema_migrations`` row.
+
+Column conventions: ``ts`` is the event's time (unix seconds) as a naive UTC ``TIMESTAMP`` with
+microsecond precision; ``ingested_at`` is when the agent stored the row (naive UTC); enum-valued
+columns (form, tier, outcome, reason, admission, action) hold the ``engine.events`` enum values as
+``VARCHAR``, so a new enum member needs no migration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Migration:
+    """One schema step: ``statements`` run in order inside one transaction."""
+
+    version: int
+    name: str
+    statements: tuple[str, ...]
+
+
+_V1_TABLES = (
+    """
+    CREATE TABLE cache_lookups (
+        ts TIMESTAMP NOT NULL,
+        engine_id VARCHAR NOT NULL,
+        request_id VARCHAR NOT NULL,
+        model VARCHAR NOT NULL,
+        form VARCHAR NOT NULL,
+        tier VARCHAR NOT NULL,
+        outcome VARCHAR NOT NULL,
+        reason VARCHAR NOT NULL,
+        hash_hit_tokens BIGINT NOT NULL,
+        usable_tokens BIGINT NOT NULL,
+        recoverable_tokens BIGINT NOT NULL,
+        replayed_tokens BIGINT NOT NULL,
+        approximate BOOLEAN NOT NULL,
+        recovery_seconds DOUBLE NOT NULL,
+        bytes_moved BIGINT NOT NULL,
+        layer_group INTEGER NOT NULL,
+        tp_rank INTEGER NOT NULL,
+        epoch BIGINT NOT NULL,
+        ingested_at TIMESTAMP NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE requests (
+        ts TIMESTAMP NOT NULL,
+        engine_id VARCHAR NOT NULL,
+        request_id VARCHAR NOT NULL,
+        model VARCHAR NOT NULL,
+        prompt_tokens BIGINT NOT NULL,
+        output_tokens BIGINT NOT NULL,
+        hash_hit_tokens BIGINT NOT NULL,
+        resume_tokens BIGINT NOT NULL,
+        recoverable_tokens BIGINT NOT NULL,
+        replayed_tokens BIGINT NOT NULL,
+        recomputed_tokens BIGINT NOT NULL,
+        approximate BOOLEAN NOT NULL,
+        limiting_form VARCHAR,
+        limiting_reason VARCHAR NOT NULL,
+        admission VARCHAR NOT NULL,
+        ttft_seconds DOUBLE NOT NULL,
+        e2e_seconds DOUBLE NOT NULL,
+        ingested_at TIMESTAMP NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE engine_stats (
+        ts TIMESTAMP NOT NULL,
+        engine_id VARCHAR NOT NULL,
+        model VARCHAR NOT NULL,
+        form VARCHAR NOT NULL,
+        tier VARCHAR NOT NULL,
+        used_bytes BIGINT NOT NULL,
+        used_blocks BIGINT NOT NULL,
+        cached_blocks BIGINT NOT NULL,
+        free_blocks BIGINT NOT NULL,
+        total_blocks BIGINT NOT NULL,
+        running_requests BIGINT NOT NULL,
+        waiting_requests BIGINT NOT NULL,
+        recoveries_in_flight BIGINT NOT NULL,
+        ingested_at TIMESTAMP NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE block_events (
+        ts TIMESTAMP NOT NULL,
+        engine_id VARCHAR NOT NULL,
+        model VARCHAR NOT NULL,
+        form VARCHAR NOT NULL,
+        tier VARCHAR NOT NULL,
+        action VARCHAR NOT NULL,
+        block_hash VARCHAR NOT NULL,
+        block_id BIGINT NOT NULL,
+        num_tokens BIGINT NOT NULL,
+        ingested_at TIMESTAMP NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE gpu_stats (
+        ts TIMESTAMP NOT NULL,
+        gpu_index INTEGER NOT NULL,
+        name VARCHAR NOT NULL,
+        memory_used_bytes BIGINT NOT NULL,
+        memory_total_bytes BIGINT NOT NULL,
+        utilization_ratio DOUBLE
+    )
+    """,
+    """
+    CREATE TABLE alerts (
+        ts TIMESTAMP NOT NULL,
+        alert VARCHAR NOT NULL,
+        fingerprint VARCHAR NOT NULL,
+        state VARCHAR NOT NULL,
+        value DOUBLE,
+        labels VARCHAR NOT NULL,
+        summary VARCHAR NOT NULL,
+        description VARCHAR NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE ingest_batches (
+        engine_id VARCHAR NOT NULL,
+        seq BIGINT NOT NULL,
+        received_at TIMESTAMP NOT NULL,
+        rows BIGINT NOT NULL,
+        status VARCHAR NOT NULL CHECK (status IN ('stored', 'duplicate', 'rejected')),
+        error VARCHAR
+    )
+    """,
+    "CREATE INDEX ingest_batches_engine_seq ON ingest_batches (engine_id, seq)",
+)
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(version=1, name="create event, alert and ingest tables", statements=_V1_TABLES),
+)
+"""Every migration, in version order (versions 1, 2, ... without gaps)."""
+
+SCHEMA_VERSION = MIGRATIONS[-1].version
+"""The schema version this code expects."""

@@ -1,0 +1,328 @@
+"""Named, parameterised queries (``GET /v1/query/{name}``), used by the dashboard and alerts.
+
+Each :class:`NamedQuery` is fixed SQL with DuckDB ``$name`` prepared parameters — user input is
+bound, never formatted into the text — and declares its parameters with a type, a default and a
+range. :meth:`NamedQuery.bind` turns query-string values into typed parameters and raises
+:class:`BadParam` naming the parameter; :func:`get_query` raises :class:`UnknownQuery` listing
+the known names. ``now`` (a naive UTC timestamp) is supplied by the caller, never the user:
+"since" windows are ``[now - since_seconds, ...)``.
+
+Ratios are ratios of token **sums** (DESIGN.md §3) and NULL when the denominator is 0. Token sums
+are ``BIGINT`` and 0, not NULL, when nothing matched. Time buckets are aligned to multiples of
+``bucket_seconds`` since the unix epoch and labelled by their start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+import duckdb
+
+MAX_NAME_CHARS = 256
+
+
+class QueryError(Exception):
+    """A user error in a named-query call; ``status`` is the HTTP status."""
+
+    status = 400
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class UnknownQuery(QueryError):
+    status = 404
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown query {name!r}; known queries: {', '.join(known)}")
+        self.known = known
+
+
+class BadParam(QueryError):
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"parameter {param!r}: {reason}")
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueryParam:
+    """One parameter: ``kind`` is ``int``, ``float`` or ``str``; ``default`` ``None`` makes it
+    optional (bound as NULL, meaning "no filter"); numbers are checked against [minimum, maximum]."""
+
+    name: str
+    kind: type[int] | type[float] | type[str]
+    default: int | float | str | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    description: str = ""
+
+    def parse(self, raw: str) -> int | float | str:
+        """The typed value of a query-string value. Raises :class:`BadParam`."""
+        if self.kind is str:
+            if not 0 < len(raw) <= MAX_NAME_CHARS:
+                raise BadParam(self.name, f"must be 1..{MAX_NAME_CHARS} characters")
+            return raw
+        try:
+            value: int | float = int(raw) if self.kind is int else float(raw)
+        except ValueError:
+            raise BadParam(self.name, f"must be {self.kind.__name__}, got {raw!r}") from None
+        if self.kind is float and value != value:  # NaN
+            raise BadParam(self.name, "must be a number, got NaN")
+        if self.minimum is not None and value < self.minimum:
+            raise BadParam(self.name, f"must be >= {self.minimum:g}, got {raw}")
+        if self.maximum is not None and value > self.maximum:
+            raise BadParam(self.name, f"must be <= {self.maximum:g}, got {raw}")
+        return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NamedQuery:
+    """A named query: ``sql`` uses exactly the declared parameters, plus ``$now`` optionally.
+    ``columns`` documents the result columns."""
+
+    name: str
+    description: str
+    sql: str
+    params: tuple[QueryParam, ...] = ()
+    columns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        (statement,) = duckdb.extract_statements(self.sql)
+        if statement.type != duckdb.StatementType.SELECT:
+            raise ValueError(f"query {self.name}: only SELECT statements may be named queries")
+        declared = {p.name for p in self.params}
+        used = set(statement.named_parameters)
+        if "now" in declared or used - {"now"} != declared:
+            raise ValueError(
+                f"query {self.name}: declared parameters {sorted(declared)} do not match the "
+                f"SQL's {sorted(used - {'now'})} (now is implicit)"
+            )
+
+    @property
+    def uses_now(self) -> bool:
+        return "$now" in self.sql
+
+    def bind(self, raw: Mapping[str, str], *, now: datetime) -> dict[str, object]:
+        """Typed parameters for the SQL from query-string values; missing ones take defaults.
+
+        Raises:
+            BadParam: an unknown parameter, or a value of the wrong type or out of range.
+        """
+        known = {p.name: p for p in self.params}
+        for key in raw:
+            if key not in known:
+                names = ", ".join(known) or "none"
+                raise BadParam(key, f"unknown parameter of query {self.name}; known: {names}")
+        bound: dict[str, object] = {
+            p.name: p.parse(raw[p.name]) if p.name in raw else p.default for p in self.params
+        }
+        if self.uses_now:
+            bound["now"] = now
+        return bound
+
+
+def _engine(description: str = "only this engine") -> QueryParam:
+    return QueryParam(name="engine_id", kind=str, description=description)
+
+
+_MODEL = QueryParam(name="model", kind=str, description="only this model")
+_SINCE = QueryParam(
+    name="since_seconds",
+    kind=int,
+    default=3600,
+    minimum=1,
+    maximum=366 * 86400,
+    description="window start, seconds before now",
+)
+_BUCKET = QueryParam(
+    name="bucket_seconds",
+    kind=int,
+    default=60,
+    minimum=1,
+    maximum=86400,
+    description="bucket width",
+)
+_LIMIT = QueryParam(name="limit", kind=int, default=100, minimum=1, maximum=10_000)
+_FILTER = """
+    ($engine_id::VARCHAR IS NULL OR {t}engine_id = $engine_id)
+    AND ($model::VARCHAR IS NULL OR {t}model = $model)
+"""
+_BUCKET_EXPR = "time_bucket(to_seconds($bucket_seconds::BIGINT), {t}ts, TIMESTAMP '1970-01-01')"
+
+TOTALS = NamedQuery(
+    name="totals",
+    description="Lifetime request and token totals.",
+    sql="""
+    SELECT
+        count(*) AS requests,
+        coalesce(sum(prompt_tokens), 0)::BIGINT AS prompt_tokens,
+        coalesce(sum(hash_hit_tokens), 0)::BIGINT AS hash_hit_tokens,
+        coalesce(sum(recoverable_tokens), 0)::BIGINT AS recoverable_tokens,
+        coalesce(sum(replayed_tokens), 0)::BIGINT AS replayed_tokens,
+        coalesce(sum(recomputed_tokens), 0)::BIGINT AS recomputed_tokens
+    FROM requests
+    WHERE $engine_id::VARCHAR IS NULL OR engine_id = $engine_id
+    """,
+    params=(_engine(),),
+    columns=(
+        "requests",
+        "prompt_tokens",
+        "hash_hit_tokens",
+        "recoverable_tokens",
+        "replayed_tokens",
+        "recomputed_tokens",
+    ),
+)
+
+FORM_OUTCOMES = NamedQuery(
+    name="form_outcomes",
+    description="Lookups per form, outcome and reason, with their usable and recoverable tokens.",
+    sql="""
+    SELECT
+        form,
+        outcome,
+        reason,
+        count(*) AS lookups,
+        sum(usable_tokens)::BIGINT AS usable_tokens,
+        sum(recoverable_tokens)::BIGINT AS recoverable_tokens
+    FROM cache_lookups
+    WHERE $engine_id::VARCHAR IS NULL OR engine_id = $engine_id
+    GROUP BY form, outcome, reason
+    ORDER BY form, outcome, reason
+    """,
+    params=(_engine(),),
+    columns=("form", "outcome", "reason", "lookups", "usable_tokens", "recoverable_tokens"),
+)
+
+HIT_RATE_TIMESERIES = NamedQuery(
+    name="hit_rate_timeseries",
+    description="Per time bucket: request token sums and the raw and recoverable hit rates.",
+    sql=f"""
+    SELECT
+        {_BUCKET_EXPR.format(t="")} AS bucket,
+        count(*) AS requests,
+        sum(prompt_tokens)::BIGINT AS prompt_tokens,
+        sum(hash_hit_tokens)::BIGINT AS hash_hit_tokens,
+        sum(recoverable_tokens)::BIGINT AS recoverable_tokens,
+        sum(replayed_tokens)::BIGINT AS replayed_tokens,
+        sum(recomputed_tokens)::BIGINT AS recomputed_tokens,
+        sum(hash_hit_tokens)::DOUBLE / nullif(sum(prompt_tokens), 0) AS raw_hit_rate,
+        sum(recoverable_tokens)::DOUBLE / nullif(sum(prompt_tokens), 0) AS recoverable_hit_rate
+    FROM requests
+    WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+    GROUP BY bucket
+    ORDER BY bucket
+    """,
+    params=(_SINCE, _BUCKET, _engine(), _MODEL),
+    columns=(
+        "bucket",
+        "requests",
+        "prompt_tokens",
+        "hash_hit_tokens",
+        "recoverable_tokens",
+        "replayed_tokens",
+        "recomputed_tokens",
+        "raw_hit_rate",
+        "recoverable_hit_rate",
+    ),
+)
+
+FORM_USABLE_TIMESERIES = NamedQuery(
+    name="form_usable_timeseries",
+    description=(
+        "Per time bucket and form: the form's usable tokens over the prompt tokens of the "
+        "requests that looked it up. A form's usable tokens per request are the minimum over "
+        "its lookups (layer groups, tensor-parallel ranks); lookups are bucketed by their "
+        "request's ts and lookups whose request event is not stored yet are left out."
+    ),
+    sql=f"""
+    WITH per_request AS (
+        SELECT engine_id, request_id, form, min(usable_tokens) AS usable_tokens
+        FROM cache_lookups
+        WHERE {_FILTER.format(t="")}
+        GROUP BY engine_id, request_id, form
+    )
+    SELECT
+        {_BUCKET_EXPR.format(t="r.")} AS bucket,
+        f.form AS form,
+        sum(f.usable_tokens)::BIGINT AS usable_tokens,
+        sum(r.prompt_tokens)::BIGINT AS prompt_tokens,
+        sum(f.usable_tokens)::DOUBLE / nullif(sum(r.prompt_tokens), 0) AS usable_rate
+    FROM per_request AS f
+    JOIN requests AS r USING (engine_id, request_id)
+    WHERE r.ts >= $now - to_seconds($since_seconds::BIGINT)
+    GROUP BY bucket, f.form
+    ORDER BY bucket, f.form
+    """,
+    params=(_SINCE, _BUCKET, _engine(), _MODEL),
+    columns=("bucket", "form", "usable_tokens", "prompt_tokens", "usable_rate"),
+)
+
+RECENT_REQUESTS = NamedQuery(
+    name="recent_requests",
+    description="The latest requests, newest first.",
+    sql="""
+    SELECT * EXCLUDE (ingested_at)
+    FROM requests
+    WHERE $engine_id::VARCHAR IS NULL OR engine_id = $engine_id
+    ORDER BY ts DESC, request_id
+    LIMIT $limit
+    """,
+    params=(_LIMIT, _engine()),
+    columns=(
+        "ts",
+        "engine_id",
+        "request_id",
+        "model",
+        "prompt_tokens",
+        "output_tokens",
+        "hash_hit_tokens",
+        "resume_tokens",
+        "recoverable_tokens",
+        "replayed_tokens",
+        "recomputed_tokens",
+        "approximate",
+        "limiting_form",
+        "limiting_reason",
+        "admission",
+        "ttft_seconds",
+        "e2e_seconds",
+    ),
+)
+
+ALERTS_RECENT = NamedQuery(
+    name="alerts_recent",
+    description="The latest alert transitions (firing, resolved), newest first.",
+    sql="""
+    SELECT ts, alert, fingerprint, state, value, labels, summary, description
+    FROM alerts
+    ORDER BY ts DESC, fingerprint
+    LIMIT $limit
+    """,
+    params=(_LIMIT,),
+    columns=("ts", "alert", "fingerprint", "state", "value", "labels", "summary", "description"),
+)
+
+NAMED_QUERIES: dict[str, NamedQuery] = {
+    q.name: q
+    for q in (
+        TOTALS,
+        FORM_OUTCOMES,
+        HIT_RATE_TIMESERIES,
+        FORM_USABLE_TIMESERIES,
+        RECENT_REQUESTS,
+        ALERTS_RECENT,
+    )
+}
+"""Every named query, by name."""
+
+
+def get_query(name: str) -> NamedQuery:
+    """The named query ``name``. Raises :class:`UnknownQuery` listing the known names."""
+    try:
+        return NAMED_QUERIES[name]
+    except KeyError:
+        raise UnknownQuery(name, sorted(NAMED_QUERIES)) from None

@@ -1,0 +1,87 @@
+"""Run the agent: what ``kvscope agent`` calls.
+
+:func:`serve` opens the store, builds the app, starts the alert scheduler and runs uvicorn until
+SIGINT or SIGTERM; then uvicorn drains in-flight requests, the scheduler stops, and the store is
+checkpointed and closed — in that order, so no write is lost. It returns normally after a
+signal (the caller exits 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import uvicorn
+
+from agent.app import create_app
+from agent.config import AgentConfig
+from agent.metrics import AgentMetrics
+from agent.store import Store
+from alerts.scheduler import AlertScheduler
+
+log = logging.getLogger(__name__)
+
+
+def serve(config: AgentConfig, *, log_level: str = "info") -> None:
+    """Serve the agent on ``config.host:config.port`` until SIGINT/SIGTERM (blocking).
+
+    Raises:
+        duckdb.Error: the store cannot be opened (for example another agent holds the file).
+        OSError: the port cannot be bound.
+    """
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    store = Store.open(config.db_path)
+    try:
+        metrics = AgentMetrics()
+        scheduler = AlertScheduler(
+            store=store,
+            rules=(config.alert_rule,),
+            log_path=config.alert_log_path,
+            metrics=metrics,
+            ingest_lag_seconds=config.alert_ingest_lag_seconds,
+            interval_seconds=config.alert_interval_seconds,
+        )
+        app = create_app(config, store, metrics=metrics)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level=log_level,
+                lifespan="on",
+            )
+        )
+        scheduler.start()
+        try:
+            with _signals_end_quietly():
+                server.run()
+        finally:
+            scheduler.shutdown()
+    finally:
+        store.close()
+        log.info("agent stopped; store %s checkpointed and closed", config.db_path)
+
+
+@contextmanager
+def _signals_end_quietly() -> Iterator[None]:
+    """uvicorn handles SIGINT/SIGTERM itself, then re-raises the signal once it has shut down,
+    which would kill the process (SIGTERM) or raise KeyboardInterrupt (SIGINT) before our
+    cleanup. Handlers installed here receive that re-raised signal and do nothing, so
+    :func:`serve` can finish its cleanup and return. Only possible on the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(sig: int, frame: FrameType | None) -> None:
+        log.info("received %s, shutting down", signal.Signals(sig).name)
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,280 @@
+"""The read-only SQL sandbox behind ``POST /v1/sql`` (and the runner of named queries).
+
+Rules, in the order they apply:
+
+1. **One read statement.** The text is split and typed by DuckDB's own parser
+   (``duckdb.extract_statements``); exactly one statement of type ``SELECT`` is admitted (this
+   includes ``WITH``, ``FROM t``, ``VALUES``, ``DESCRIBE``, ``SHOW``, ``SUMMARIZE``). Anything else
+   — ``COPY``, ``ATTACH``, ``SET``, ``INSERT``, ``DELETE``, ``PRAGMA``, ``CALL``, ``EXPLAIN`` — or
+   more than one statement is refused (:class:`SqlForbidden`, HTTP 403).
+2. **No files.** The store disabled external access for the whole instance, so ``read_csv``,
+   ``glob`` or ``read_parquet`` on a path fail with DuckDB's permission error (HTTP 400).
+3. **Read-only transaction.** The statement runs inside ``BEGIN TRANSACTION READ ONLY`` on its own
+   cursor and is rolled back, so even a ``SELECT`` with a side effect cannot change data.
+4. **Row cap.** At most ``row_limit`` rows are fetched (the engine streams, so the rest is never
+   computed); ``truncated`` says whether more existed.
+5. **Time limit.** A timer thread calls ``interrupt()`` on the query's cursor after
+   ``timeout_seconds``; the query stops and :class:`SqlTimeout` (HTTP 408) is raised. The time
+   limit covers execution and fetching.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import csv
+import io
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import date, datetime, time, timedelta
+from decimal import Decimal
+from typing import Literal
+
+import duckdb
+import msgspec
+import pyarrow as pa
+
+from agent.store import Store
+
+ResultFormat = Literal["json", "csv", "arrow"]
+RESULT_FORMATS: tuple[ResultFormat, ...] = ("json", "csv", "arrow")
+MEDIA_TYPES: dict[ResultFormat, str] = {
+    "json": "application/json",
+    "csv": "text/csv; charset=utf-8",
+    "arrow": "application/vnd.apache.arrow.stream",
+}
+_BATCH_ROWS = 2048
+
+
+class SqlError(Exception):
+    """A query a user sent that cannot be answered; ``status`` is the HTTP status to return."""
+
+    status = 400
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class SqlForbidden(SqlError):
+    """Not exactly one read (SELECT) statement."""
+
+    status = 403
+
+
+class SqlTimeout(SqlError):
+    """The query ran past the time limit and was interrupted."""
+
+    status = 408
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultSet:
+    """A capped query result: ``table`` holds at most the row limit; ``types`` are DuckDB's
+    type names (``BIGINT``, ``TIMESTAMP``, ...), one per column."""
+
+    columns: tuple[str, ...]
+    types: tuple[str, ...]
+    table: pa.Table
+    truncated: bool
+
+    @property
+    def row_count(self) -> int:
+        return self.table.num_rows
+
+
+def check_read_only(sql: str) -> str:
+    """Return the single statement of ``sql`` if it is a read (SELECT) statement.
+
+    Raises:
+        SqlError: the text does not parse (DuckDB's message) or holds no statement.
+        SqlForbidden: more than one statement, or a statement that is not a SELECT.
+    """
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise SqlError(str(exc)) from None
+    if not statements:
+        raise SqlError("no SQL statement given")
+    if len(statements) > 1:
+        raise SqlForbidden(
+            f"exactly one statement is allowed, got {len(statements)}; send them one at a time"
+        )
+    kind = statements[0].type
+    if kind != duckdb.StatementType.SELECT:
+        raise SqlForbidden(
+            f"only read statements (SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW) are allowed, "
+            f"not {kind.name}"
+        )
+    return sql
+
+
+def run_read_query(
+    store: Store,
+    sql: str,
+    parameters: Mapping[str, object] | None = None,
+    *,
+    row_limit: int,
+    timeout_seconds: float,
+) -> ResultSet:
+    """Run one SELECT (already admitted by :func:`check_read_only`, or a trusted named query)
+    with ``$name`` parameters, in a read-only transaction on a fresh cursor.
+
+    Raises:
+        SqlError: DuckDB rejected or failed the query (its message; permission errors included).
+        SqlTimeout: the query was interrupted after ``timeout_seconds``.
+    """
+    if row_limit < 1:
+        raise ValueError(f"row_limit must be >= 1, got {row_limit}")
+    with store.cursor() as cur:
+        guard = _Deadline(cur, timeout_seconds)
+        cur.execute("BEGIN TRANSACTION READ ONLY")
+        try:
+            guard.start()
+            try:
+                relation = cur.sql(sql, params=dict(parameters) if parameters else None)
+                if relation is None:  # a SELECT always yields a relation; be loud if not
+                    raise RuntimeError("a read statement produced no relation")
+                columns = tuple(relation.columns)
+                types = tuple(str(t) for t in relation.types)
+                batches: list[pa.RecordBatch] = []
+                rows = 0
+                with relation.to_arrow_reader(_BATCH_ROWS) as reader:
+                    for batch in reader:
+                        batches.append(batch)
+                        rows += batch.num_rows
+                        if rows > row_limit:
+                            break
+                    schema = reader.schema
+            finally:
+                guard.stop()
+        except duckdb.InterruptException:
+            if guard.fired:
+                raise SqlTimeout(
+                    f"query exceeded the time limit of {timeout_seconds:g} s and was interrupted"
+                ) from None
+            raise
+        except duckdb.Error as exc:
+            raise SqlError(str(exc)) from None
+        finally:
+            # Closing the cursor would discard the transaction anyway; never mask the error.
+            with contextlib.suppress(duckdb.Error):
+                cur.execute("ROLLBACK")
+    table = pa.Table.from_batches(batches, schema=schema)
+    return ResultSet(
+        columns=columns,
+        types=types,
+        table=table.slice(0, row_limit),
+        truncated=table.num_rows > row_limit,
+    )
+
+
+class _Deadline:
+    """Interrupts ``cursor`` after ``seconds`` unless stopped first; ``fired`` tells whether it
+    did. The lock makes sure no interrupt lands after :meth:`stop` returned."""
+
+    def __init__(self, cursor: duckdb.DuckDBPyConnection, seconds: float) -> None:
+        self._cursor = cursor
+        self._lock = threading.Lock()
+        self._done = False
+        self.fired = False
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._done:
+                self.fired = True
+                self._cursor.interrupt()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+
+
+def render(result: ResultSet, fmt: ResultFormat) -> bytes:
+    """Serialise ``result`` as JSON (``{"columns", "types", "rows", "row_count",
+    "truncated"}``, timestamps as ISO-8601 strings), CSV (header row first) or an Arrow IPC
+    stream (``truncated`` in the schema metadata)."""
+    if fmt == "json":
+        return _render_json(result)
+    if fmt == "csv":
+        return _render_csv(result)
+    if fmt == "arrow":
+        return _render_arrow(result)
+    raise ValueError(f"unknown result format {fmt!r}; known: {', '.join(RESULT_FORMATS)}")
+
+
+def rows_of(result: ResultSet) -> list[list[object]]:
+    """The result's rows as lists of Python values (column order kept, duplicate names safe).
+    Intervals become ISO-8601 durations (``P1M2DT3.5S``); everything else is as Arrow gives it."""
+    columns = [[_plain(v) for v in column.to_pylist()] for column in result.table.columns]
+    return [list(row) for row in zip(*columns, strict=True)] if columns else []
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, pa.MonthDayNano):
+        return f"P{value.months}M{value.days}DT{value.nanoseconds / 1e9:g}S"
+    return value
+
+
+def _json_fallback(value: object) -> object:
+    """Values msgspec cannot encode by itself become their text."""
+    return str(value)
+
+
+_json_encoder = msgspec.json.Encoder(enc_hook=_json_fallback, decimal_format="number")
+
+
+def _render_json(result: ResultSet) -> bytes:
+    return _json_encoder.encode(
+        {
+            "columns": list(result.columns),
+            "types": list(result.types),
+            "rows": rows_of(result),
+            "row_count": result.row_count,
+            "truncated": result.truncated,
+        }
+    )
+
+
+def _csv_value(value: object) -> object:
+    """CSV cells: empty for NULL, ISO-8601 times, ``true``/``false``, base64 blobs (as in
+    JSON), JSON for lists and structs."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, datetime | date | time):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, list | dict):
+        return _json_encoder.encode(value).decode("utf-8")
+    if isinstance(value, float | timedelta | Decimal):
+        return str(value)
+    return value
+
+
+def _render_csv(result: ResultSet) -> bytes:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(result.columns)
+    for row in rows_of(result):
+        writer.writerow([_csv_value(v) for v in row])
+    return out.getvalue().encode("utf-8")
+
+
+def _render_arrow(result: ResultSet) -> bytes:
+    table = result.table.replace_schema_metadata(
+        {"kvscope.truncated": "true" if result.truncated else "false"}
+    )
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue())

@@ -1,0 +1,7 @@
+"""kvscope's Streamlit dashboard (DESIGN.md §8). It reads only through the agent's HTTP API.
+
+* :mod:`dashboard.client` — the agent client (named queries as DataFrames, readable errors);
+* :mod:`dashboard.app` — the entry script (``streamlit run dashboard/app.py -- --agent URL``);
+* :mod:`dashboard.overview` — the Overview page;
+* :mod:`dashboard.launch` — the command line the CLI spawns.
+"""

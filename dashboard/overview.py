@@ -1,0 +1,159 @@
+"""The Overview page: is the cache saving what it seems to save?
+
+Panels (all from the agent's named queries, refreshed every :data:`REFRESH_SECONDS` inside one
+``st.fragment``; each query is cached for :data:`CACHE_TTL_SECONDS`):
+
+* current recoverable and raw hit rate (the latest time bucket) with the change from the bucket
+  before, in percentage points;
+* recoverable vs raw hit rate over time (``hit_rate_timeseries``) — the gap is what hybrid
+  caches lose between "hash hit" and "actually reused";
+* prompt tokens split into recoverable / replayed / recomputed per bucket;
+* each form's usable rate over time (``form_usable_timeseries``): which form explains the gap.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from dashboard.client import AgentClient, AgentError, client_from, query_frame
+
+CLIENT_KEY = "kvscope_agent_client"
+REFRESH_SECONDS = 5
+CACHE_TTL_SECONDS = 4
+WINDOWS: dict[str, tuple[int, int]] = {
+    "5 minutes": (300, 10),
+    "15 minutes": (900, 15),
+    "1 hour": (3600, 60),
+    "6 hours": (6 * 3600, 300),
+    "24 hours": (86400, 900),
+}
+"""Window label → (since_seconds, bucket_seconds)."""
+DEFAULT_WINDOW = "15 minutes"
+
+
+def current_client() -> AgentClient:
+    """The client the entry script stored in the session (or one from argv/env)."""
+    client = st.session_state.get(CLIENT_KEY)
+    if not isinstance(client, AgentClient):
+        client = client_from(sys.argv[1:], os.environ)
+        st.session_state[CLIENT_KEY] = client
+    return client
+
+
+@st.cache_data(ttl=CACHE_TTL_SECONDS, show_spinner=False)
+def cached_query(
+    base_url: str, token: str | None, name: str, params: tuple[tuple[str, object], ...]
+) -> pd.DataFrame:
+    """A named query's rows, cached per (agent, query, parameters) for a few seconds.
+    Errors are not cached."""
+    return query_frame(AgentClient(base_url=base_url, token=token), name, **dict(params))
+
+
+def _query(client: AgentClient, name: str, **params: object) -> pd.DataFrame:
+    return cached_query(client.base_url, client.token, name, tuple(sorted(params.items())))
+
+
+def _percent(ratio: float | None) -> str:
+    return "n/a" if ratio is None or math.isnan(ratio) else f"{ratio:.1%}"
+
+
+def _delta_pp(current: float | None, previous: float | None) -> str | None:
+    if current is None or previous is None or math.isnan(current) or math.isnan(previous):
+        return None
+    return f"{(current - previous) * 100:+.1f} pp"
+
+
+def render() -> None:
+    """The page body (called by ``st.navigation``)."""
+    st.title("Overview")
+    st.caption(
+        "Recoverable hit rate = prompt tokens served from cache with no recomputation / prompt "
+        "tokens; raw hit rate = hash-hit tokens / prompt tokens. Ratios of token sums per bucket."
+    )
+    label = st.selectbox("Window", list(WINDOWS), index=list(WINDOWS).index(DEFAULT_WINDOW), key="overview_window")
+    since_seconds, bucket_seconds = WINDOWS[label]
+    live_panels(current_client(), since_seconds, bucket_seconds)
+
+
+@st.fragment(run_every=REFRESH_SECONDS)
+def live_panels(client: AgentClient, since_seconds: int, bucket_seconds: int) -> None:
+    """The live part of the page; reruns on its own every :data:`REFRESH_SECONDS`."""
+    window = {"since_seconds": since_seconds, "bucket_seconds": bucket_seconds}
+    try:
+        rates = _query(client, "hit_rate_timeseries", **window)
+        forms = _query(client, "form_usable_timeseries", **window)
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    if rates.empty:
+        st.info(f"No requests in this window yet (agent at {client.base_url}).")
+        return
+    _current_values(rates)
+    rates = rates.set_index("bucket")
+    st.subheader("Recoverable vs raw hit rate")
+    st.altair_chart(
+        _lines(
+            rates[["recoverable_hit_rate", "raw_hit_rate"]].rename(
+                columns={"recoverable_hit_rate": "recoverable", "raw_hit_rate": "raw"}
+            ),
+            "series",
+            "rate",
+        ),
+        use_container_width=True,
+    )
+    st.subheader("Prompt tokens: recoverable / replayed / recomputed")
+    st.bar_chart(
+        rates[["recoverable_tokens", "replayed_tokens", "recomputed_tokens"]].rename(
+            columns=lambda c: c.removesuffix("_tokens")
+        )
+    )
+    st.subheader("Usable rate per form")
+    if forms.empty:
+        st.info("No cache lookups in this window yet.")
+    else:
+        usable = forms.pivot(index="bucket", columns="form", values="usable_rate")
+        st.altair_chart(_lines(usable, "form", "usable rate"), use_container_width=True)
+
+
+def _lines(wide: pd.DataFrame, series: str, value: str) -> alt.Chart:
+    """A line chart with a point per bucket (a single bucket still shows), rates in [0, 1]."""
+    long = wide.reset_index().melt(id_vars=wide.index.name or "index", var_name=series, value_name=value)
+    x = wide.index.name or "index"
+    return (
+        alt.Chart(long)
+        .mark_line(point=True)
+        .encode(
+            x=alt.X(f"{x}:T", title=None),
+            y=alt.Y(f"{value}:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%")),
+            color=alt.Color(f"{series}:N"),
+            tooltip=[alt.Tooltip(f"{x}:T"), f"{series}:N", alt.Tooltip(f"{value}:Q", format=".1%")],
+        )
+    )
+
+
+def _current_values(rates: pd.DataFrame) -> None:
+    last = rates.iloc[-1]
+    previous = rates.iloc[-2] if len(rates) > 1 else None
+
+    def value(row: pd.Series | None, column: str) -> float | None:
+        return None if row is None or pd.isna(row[column]) else float(row[column])
+
+    recoverable, raw = value(last, "recoverable_hit_rate"), value(last, "raw_hit_rate")
+    columns = st.columns(4)
+    columns[0].metric(
+        "Recoverable hit rate",
+        _percent(recoverable),
+        _delta_pp(recoverable, value(previous, "recoverable_hit_rate")),
+    )
+    columns[1].metric(
+        "Raw hit rate", _percent(raw), _delta_pp(raw, value(previous, "raw_hit_rate"))
+    )
+    gap = None if recoverable is None or raw is None else raw - recoverable
+    columns[2].metric("Raw − recoverable", _percent(gap))
+    columns[3].metric("Prompt tokens (last bucket)", f"{int(last['prompt_tokens']):,}")

@@ -1,0 +1,60 @@
+"""Prefix-cache configuration: the prefix-match unit, per-form pool sizes, checkpoint policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheConfig:
+    """How the prefix cache is laid out.
+
+    Attributes:
+        unit_tokens: U, the prefix-match unit: the token granularity of the hash chain, the page
+            size of the KV pools and the only hard alignment of a resume point (DESIGN.md §3).
+        full_kv_blocks: pages in the ``full_kv`` pool (all full-attention layers share a page id).
+        swa_blocks: pages in the ``swa_window`` pool (all sliding layers share a page id).
+        linear_checkpoints: slots in the ``linear_state`` checkpoint pool (one slot holds the
+            conv and recurrent state of every linear layer at one boundary).
+        checkpoint_interval_tokens: a recurrent checkpoint is taken at every multiple of this
+            (a multiple of U) during prefill, plus at the last U boundary strictly before the
+            prompt end (the resume point a follow-up request needs).
+        max_prefill_chunk_tokens: prefill runs in chunks of at most this many tokens.
+        enable_prefix_caching: when False every request is a cold prefill and nothing is stored.
+
+    The pools are pre-allocated at start; one id in each pool (id 0) is a permanent sentinel
+    that no request owns. Raises ValueError on a non-positive size or a misaligned interval.
+    """
+
+    unit_tokens: int = 16
+    full_kv_blocks: int = 4096
+    swa_blocks: int = 512
+    linear_checkpoints: int = 128
+    checkpoint_interval_tokens: int = 128
+    max_prefill_chunk_tokens: int = 512
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "unit_tokens",
+            "full_kv_blocks",
+            "swa_blocks",
+            "linear_checkpoints",
+            "checkpoint_interval_tokens",
+            "max_prefill_chunk_tokens",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"CacheConfig.{name} = {value!r} must be a positive integer")
+        if self.checkpoint_interval_tokens % self.unit_tokens:
+            raise ValueError(
+                f"CacheConfig.checkpoint_interval_tokens = {self.checkpoint_interval_tokens} is not "
+                f"a multiple of unit_tokens = {self.unit_tokens}"
+            )
+        if self.max_prefill_chunk_tokens % self.unit_tokens:
+            raise ValueError(
+                f"CacheConfig.max_prefill_chunk_tokens = {self.max_prefill_chunk_tokens} is not "
+                f"a multiple of unit_tokens = {self.unit_tokens}"
+            )
+        if self.linear_checkpoints < 2:
+            raise ValueError("CacheConfig.linear_checkpoints must be at least 2 (one is the sentinel)")

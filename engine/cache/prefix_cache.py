@@ -1,0 +1,226 @@
+"""The prefix cache of one model: its forms, the prefix index, lookup and the start of a request.
+
+This is the object the engine talks to:
+
+* :meth:`PrefixCache.block_hashes` — the prompt's hash chain (computed once per request);
+* :meth:`PrefixCache.lookup` — the hash hit, then L* and every form's verdict;
+* :meth:`PrefixCache.start` — lease what the plan reuses, then hand back a
+  :class:`~engine.cache.sequence.PagedSequence` that allocates as the request runs;
+* :meth:`PrefixCache.check_invariants` — pools, free queues and prefix index agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.block_pool import SENTINEL_BLOCK, PoolExhausted
+from engine.cache.config import CacheConfig
+from engine.cache.coordinator import ResumePlan, plan_resume
+from engine.cache.forms import CacheForm, LinearCheckpointForm, PagedKVForm
+from engine.cache.hashing import BlockHash, PrefixIndex, chain_hashes, root_hash
+from engine.cache.sequence import PagedSequence
+from engine.config import HybridConfig
+from engine.events import Form
+from engine.model.state import LinearLayerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FormOccupancy:
+    """One form's pool: blocks holding state (leased by running requests or cached), of which
+    leased and cached (published), and blocks an allocation could take (empty or evictable)."""
+
+    form: Form
+    used_blocks: int
+    leased_blocks: int
+    cached_blocks: int
+    free_blocks: int
+    total_blocks: int
+    bytes_per_block: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.bytes_per_block
+
+
+class PrefixCache:
+    """Every cache form of one model, sized by a :class:`CacheConfig`.
+
+    Args:
+        model_config: the model whose layers the forms serve.
+        config: pool sizes and policies.
+        model_name: part of the hash root, so two models never share a prefix.
+        device, dtype: where the KV pools live and their element type.
+    """
+
+    def __init__(
+        self,
+        model_config: HybridConfig,
+        config: CacheConfig,
+        model_name: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        linear_state_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]],
+    ) -> None:
+        self.config = config
+        self.unit_tokens = config.unit_tokens
+        self.device = device
+        self.index = PrefixIndex()
+        self.root = root_hash(model_name, model_config.revision, config.unit_tokens)
+        self.kv_forms: list[PagedKVForm] = []
+        self.kv_form_of_layer: dict[int, PagedKVForm] = {}
+        for form, kind, blocks, window in (
+            (Form.FULL_KV, "full_attention", config.full_kv_blocks, None),
+            (Form.SWA_WINDOW, "sliding_attention", config.swa_blocks, model_config.sliding_window),
+        ):
+            layers = model_config.layers_of(kind)
+            if not layers:
+                continue
+            kv_form = PagedKVForm(
+                form,
+                layers,
+                blocks,
+                config.unit_tokens,
+                model_config.num_key_value_heads,
+                model_config.head_dim,
+                window,
+                self.index,
+                dtype,
+                device,
+            )
+            self.kv_forms.append(kv_form)
+            self.kv_form_of_layer.update(dict.fromkeys(layers, kv_form))
+        self.linear: LinearCheckpointForm | None = None
+        linear_layers = model_config.layers_of("linear_attention")
+        if linear_layers:
+            conv_shape, rec_shape = linear_state_shapes[linear_layers[0]]
+            self.linear = LinearCheckpointForm(
+                linear_layers, config.linear_checkpoints, config.unit_tokens, conv_shape, rec_shape, self.index, device
+            )
+        forms: list[CacheForm] = list(self.kv_forms)
+        if self.linear is not None:
+            forms.append(self.linear)
+        self.forms: tuple[CacheForm, ...] = tuple(forms)
+
+    # -- reporting -----------------------------------------------------------------------------
+    def resume_granularity(self) -> dict[Form, int]:
+        """The coarsest spacing (tokens) between positions each form can resume at."""
+        out = {f.form: self.unit_tokens for f in self.kv_forms}
+        if self.linear is not None:
+            out[Form.LINEAR_STATE] = self.config.checkpoint_interval_tokens
+        return out
+
+    def log_plan(self) -> None:
+        """Log every pool's size and the effective resume granularity per form; warn above 8·U."""
+        for f in self.forms:
+            log.info(
+                "cache form %s: %d blocks x %d bytes = %.1f MiB",
+                f.form,
+                f.pool.num_blocks - 1,
+                f.bytes_per_block,
+                (f.pool.num_blocks - 1) * f.bytes_per_block / 2**20,
+            )
+        for form, spacing in self.resume_granularity().items():
+            level = logging.WARNING if spacing > 8 * self.unit_tokens else logging.INFO
+            log.log(level, "cache form %s resumes every %d tokens (U = %d)", form, spacing, self.unit_tokens)
+
+    def occupancy(self) -> list[FormOccupancy]:
+        return [
+            FormOccupancy(
+                form=f.form,
+                used_blocks=f.pool.num_holding,
+                leased_blocks=f.pool.num_leased,
+                cached_blocks=f.pool.num_cached,
+                free_blocks=f.pool.num_free,
+                total_blocks=f.pool.num_blocks - 1,
+                bytes_per_block=f.bytes_per_block,
+            )
+            for f in self.forms
+        ]
+
+    # -- lookup --------------------------------------------------------------------------------
+    def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        return chain_hashes(self.root, token_ids, self.unit_tokens)
+
+    def lookup(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> ResumePlan:
+        """The hash hit and the resume plan; takes no lease and changes nothing."""
+        hit = self.index.hit_blocks(hashes) * self.unit_tokens if self.config.enable_prefix_caching else 0
+        return plan_resume(self.forms, hashes, prompt_tokens, hit, self.unit_tokens)
+
+    def start(self, plan: ResumePlan, token_ids: Sequence[int], hashes: Sequence[BlockHash]) -> PagedSequence:
+        """Lease every object the plan reuses, then build the request's sequence.
+
+        Leases are taken before the sequence allocates anything, so the request's own
+        allocations can never evict what its lookup matched (case C8).
+
+        Raises:
+            RuntimeError: an object the plan relies on is gone (an internal invariant).
+        """
+        resume = plan.resume_tokens
+        u = self.unit_tokens
+        seq = PagedSequence(self, token_ids, hashes[: len(token_ids) // u], resume)
+        for form in self.kv_forms:
+            needed = form.needed_pages(resume)
+            table = [SENTINEL_BLOCK] * (resume // u)
+            for page in needed:
+                block = form.pool.lookup(hashes[page])
+                if block is None:
+                    raise RuntimeError(f"{form.form}: page {page} of the plan vanished before its lease")
+                form.pool.lease(block)
+                table[page] = block
+            seq.tables[form] = table
+            seq.released_to[form] = needed.start
+        if self.linear is not None:
+            slot = self.linear.checkpoint_at(hashes, resume)
+            if resume and slot is None:
+                raise RuntimeError(f"linear_state: checkpoint at {resume} vanished before its lease")
+            if slot is None:
+                seq.linear_states = self.linear.zero_state()
+            else:
+                self.linear.pool.lease(slot)
+                seq.linear_states = self.linear.read(slot)
+                self.linear.pool.release(slot)
+        return seq
+
+    def form_epoch(self, seq: PagedSequence, form: CacheForm, resume_tokens: int) -> int:
+        """Epoch of the deepest object a form contributed to the resume (0 when none)."""
+        if resume_tokens == 0:
+            return 0
+        if isinstance(form, PagedKVForm):
+            table = seq.tables.get(form, [])
+            page = resume_tokens // self.unit_tokens - 1
+            return form.pool.epoch[table[page]] if page < len(table) and table[page] else 0
+        slot = form.pool.lookup(seq.hashes[resume_tokens // self.unit_tokens - 1])
+        return form.pool.epoch[slot] if slot is not None else 0
+
+    def save_checkpoint(self, h: BlockHash, states: dict[int, LinearLayerState]) -> bool:
+        """Store a copy of the recurrent state summarising the prefix named by ``h``.
+
+        Returns False when a checkpoint of that prefix already exists or every slot is leased.
+        """
+        if self.linear is None or self.linear.pool.lookup(h) is not None:
+            return False
+        try:
+            slot = self.linear.pool.allocate()
+        except PoolExhausted:
+            log.warning("linear_state: every checkpoint slot is leased; checkpoint skipped")
+            return False
+        self.linear.write(slot, states)
+        self.linear.pool.publish(slot, h)
+        self.linear.pool.release(slot)
+        return True
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every pool is consistent and the prefix index counts
+        exactly the published objects of all forms."""
+        expected: Counter[BlockHash] = Counter()
+        for f in self.forms:
+            f.pool.check_invariants()
+            expected.update(h for h in f.pool.block_hash if h is not None)
+        assert dict(expected) == self.index.snapshot(), "prefix index disagrees with the pools"

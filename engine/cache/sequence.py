@@ -1,0 +1,164 @@
+"""One running request's view of the cache: block tables, slot mapping, working recurrent state.
+
+Life of a request (all on one thread; the runtime issue adds batching):
+
+1. :meth:`PrefixCache.start` leases every object the plan reuses — pages of every KV form and
+   the checkpoint at L* — *before* any allocation for the request (red line 3, case C8), then
+   copies the checkpoint into the request's working recurrent state.
+2. For each chunk ``[start, end)``: :meth:`begin_chunk` allocates the pages the chunk writes;
+   the layers call :meth:`attention_kv` / :meth:`linear`; :meth:`commit` publishes the pages
+   the chunk completed, takes a recurrent checkpoint when ``end`` is a checkpoint position, and
+   returns the sliding pages that left the window (their content stays cached until evicted).
+   Nothing a chunk produced is visible to other requests before its commit.
+3. :meth:`finish` releases every lease (full-KV pages tail first, so prefixes outlive their
+   tails; window pages head first, so each boundary's window tail is evicted last).
+
+Window watermark (case C7): sliding pages are kept for ``[min(end, last checkpoint) − W + 1,
+end)``, so the window behind the last usable checkpoint stays intact while the request decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from engine.cache.block_pool import SENTINEL_BLOCK
+from engine.cache.forms import PagedKVForm, gather_pages
+from engine.cache.hashing import BlockHash, chain_hashes
+from engine.model.state import AttentionKV, LinearLayerState
+
+if TYPE_CHECKING:
+    from engine.cache.prefix_cache import PrefixCache
+
+
+@dataclass(slots=True)
+class _ChunkPages:
+    """Per-chunk index tensors for one KV form, built once and shared by its layers."""
+
+    write_pages: Tensor  # [T] page id per new token
+    write_offsets: Tensor  # [T] row inside the page
+    read_pages: Tensor  # [P] pages covering [first, end)
+    read_first: int  # offset of the first read token inside read_pages[0]
+    read_tokens: int
+    read_positions: Tensor  # [S]
+
+
+class PagedSequence:
+    """Implements :class:`~engine.model.state.SequenceState` over the cache pools."""
+
+    def __init__(self, cache: PrefixCache, token_ids: Sequence[int], hashes: Sequence[BlockHash], resume_tokens: int) -> None:
+        self.cache = cache
+        self.token_ids = list(token_ids)
+        self.hashes = list(hashes)
+        self.unit_tokens = cache.unit_tokens
+        self.num_computed = resume_tokens
+        self.last_checkpoint = resume_tokens
+        self.tables: dict[PagedKVForm, list[int]] = {f: [] for f in cache.kv_forms}
+        self.published_pages = resume_tokens // self.unit_tokens
+        self.released_to: dict[PagedKVForm, int] = {f: 0 for f in cache.kv_forms}
+        self.linear_states: dict[int, LinearLayerState] = {}
+        self._chunk: dict[PagedKVForm, _ChunkPages] = {}
+        self._chunk_positions: Tensor | None = None
+        self.finished = False
+
+    # -- SequenceState --------------------------------------------------------------------------
+    def attention_kv(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> AttentionKV:
+        form = self.cache.kv_form_of_layer[layer]
+        plan = self._chunk[form]
+        slot = form.layer_slot[layer]
+        form.kv[plan.write_pages, slot, 0, plan.write_offsets] = keys.to(form.kv.dtype)
+        form.kv[plan.write_pages, slot, 1, plan.write_offsets] = values.to(form.kv.dtype)
+        k, v = gather_pages(form.kv, plan.read_pages, slot, plan.read_first, plan.read_tokens)
+        return AttentionKV(k.to(keys.dtype), v.to(values.dtype), plan.read_positions)
+
+    def linear(self, layer: int) -> LinearLayerState:
+        return self.linear_states[layer]
+
+    # -- chunk protocol ------------------------------------------------------------------------
+    def begin_chunk(self, end: int) -> Tensor:
+        """Allocate pages for ``[num_computed, end)`` and build the chunk's index tensors.
+
+        Returns the chunk's positions ``[end − num_computed]``.
+
+        Raises:
+            engine.cache.block_pool.PoolExhausted: a pool has no evictable block left.
+        """
+        start = self.num_computed
+        if not start < end <= len(self.token_ids):
+            raise RuntimeError(f"chunk [{start}, {end}) outside the sequence of {len(self.token_ids)} tokens")
+        u = self.unit_tokens
+        device = self.cache.device
+        positions = torch.arange(start, end, device=device)
+        last_page = (end - 1) // u
+        for form, table in self.tables.items():
+            while len(table) <= last_page:
+                table.append(form.pool.allocate())
+            first = form.first_needed_token(start)
+            first_page = first // u
+            read = table[first_page : last_page + 1]
+            if SENTINEL_BLOCK in read:
+                raise RuntimeError(f"{form.form}: page of the live window was released (table {table})")
+            table_t = torch.tensor(table, dtype=torch.long, device=device)
+            self._chunk[form] = _ChunkPages(
+                write_pages=table_t[positions // u],
+                write_offsets=positions % u,
+                read_pages=torch.tensor(read, dtype=torch.long, device=device),
+                read_first=first - first_page * u,
+                read_tokens=end - first,
+                read_positions=torch.arange(first, end, device=device),
+            )
+        return positions
+
+    def commit(self, end: int, take_checkpoint: bool) -> None:
+        """Mark ``[num_computed, end)`` computed; publish completed pages; checkpoint; trim windows."""
+        self.num_computed = end
+        self._chunk.clear()
+        u = self.unit_tokens
+        full_pages = end // u
+        if full_pages > len(self.hashes):
+            parent = self.hashes[-1] if self.hashes else self.cache.root
+            self.hashes.extend(chain_hashes(parent, self.token_ids[len(self.hashes) * u : full_pages * u], u))
+        if self.cache.config.enable_prefix_caching:
+            for page in range(self.published_pages, full_pages):
+                for form, table in self.tables.items():
+                    if table[page] != SENTINEL_BLOCK:
+                        form.pool.publish(table[page], self.hashes[page])
+            if take_checkpoint and end % u == 0:
+                self.cache.save_checkpoint(self.hashes[end // u - 1], self.linear_states)
+                self.last_checkpoint = end
+        self.published_pages = max(self.published_pages, full_pages)
+        self._trim_windows()
+
+    def append_token(self, token_id: int) -> None:
+        """Extend the sequence by one generated token (decode)."""
+        self.token_ids.append(token_id)
+
+    def _trim_windows(self) -> None:
+        u = self.unit_tokens
+        anchor = min(self.num_computed, self.last_checkpoint)
+        for form, table in self.tables.items():
+            if form.window is None:
+                continue
+            keep_from = form.first_needed_token(anchor)
+            for page in range(self.released_to[form], keep_from // u):
+                if table[page] != SENTINEL_BLOCK:
+                    form.pool.release(table[page])
+                    table[page] = SENTINEL_BLOCK
+            self.released_to[form] = max(self.released_to[form], keep_from // u)
+
+    def finish(self) -> None:
+        """Release every lease; idempotent. Pages the request did not publish become free."""
+        if self.finished:
+            return
+        self.finished = True
+        for form, table in self.tables.items():
+            pages = [p for p in table if p != SENTINEL_BLOCK]
+            order = pages if form.window is not None else list(reversed(pages))
+            for page in order:
+                form.pool.release(page)
+            table.clear()
+        self.linear_states.clear()

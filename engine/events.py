@@ -1,0 +1,305 @@
+"""The telemetry contract between the engine and the agent (DESIGN.md §5), version 1.
+
+One module, imported by both sides, holds every enum and every event shape, so that a value the
+engine can emit is exactly a value the agent accepts:
+
+* :class:`Form`, :class:`Tier`, :class:`Outcome`, :class:`Reason`, :class:`Admission`,
+  :class:`BlockAction` — the vocabulary of DESIGN.md §3;
+* :class:`CacheLookup`, :class:`RequestEvent`, :class:`EngineStats`, :class:`BlockEvent` — the
+  event kinds, tagged by their ``kind`` field;
+* :class:`EventBatch` — what ``POST /v1/events`` carries;
+* :func:`decode_batch` / :func:`encode_batch` — JSON and msgpack codecs that check types, ranges
+  and the cross-field rules, raising :class:`EventError` with the field path and the reason.
+
+Times are unix seconds (float). Token counts are ``*_tokens`` integers, byte counts ``*_bytes``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+"""Version of the batch schema; a batch with any other ``schema_version`` is rejected."""
+
+MAX_EVENTS_PER_BATCH = 100_000
+"""Upper bound on ``len(batch.events)``; larger batches are rejected as a whole."""
+
+
+class Form(enum.StrEnum):
+    """A cache form: the unit of validation, recovery and observability (DESIGN.md §3)."""
+
+    FULL_KV = "full_kv"
+    SWA_WINDOW = "swa_window"
+    COMPRESSED_KV = "compressed_kv"
+    UNCOMPRESSED_TAIL = "uncompressed_tail"
+    INDEXER_STATE = "indexer_state"
+    LINEAR_STATE = "linear_state"
+
+
+class Tier(enum.StrEnum):
+    """Where a cached object sits when it is looked up. ``host`` and ``disk`` make up the
+    ``on_disk_prefix`` tier view of the dashboard."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+class Outcome(enum.StrEnum):
+    """What happened to one form of one request's matched prefix."""
+
+    HIT = "hit"
+    """Usable in place for the whole matched prefix."""
+    RECOVERED = "recovered"
+    """Usable after a swap-in or an exact rebuild without recomputation."""
+    REPLAYED = "replayed"
+    """Rebuilt by recomputing a suffix (Tail-Replay sets ``approximate``)."""
+    INVALIDATED = "invalidated"
+    """Present by hash but (partly) unusable; the reason says why."""
+    MISS = "miss"
+    """Nothing of this prefix was present."""
+
+
+class Reason(enum.StrEnum):
+    """Why a form (or a request's resume point) stopped short. ``none`` only goes with ``hit``."""
+
+    NONE = "none"
+    NO_PREFIX_MATCH = "no_prefix_match"
+    PROMPT_END = "prompt_end"
+    KV_EVICTED = "kv_evicted"
+    BELOW_GRANULARITY = "below_granularity"
+    COMPRESSED_VERSION_MISMATCH = "compressed_version_mismatch"
+    TAIL_MISSING = "tail_missing"
+    TAIL_VERSION_MISMATCH = "tail_version_mismatch"
+    SWA_EVICTED = "swa_evicted"
+    INDEXER_STALE = "indexer_stale"
+    LINEAR_CHECKPOINT_MISSING = "linear_checkpoint_missing"
+    IN_FLIGHT_SWAP = "in_flight_swap"
+    OFFLOAD_CORRUPT = "offload_corrupt"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    MISALIGNED = "misaligned"
+    GROUP_DISAGREE = "group_disagree"
+    EPOCH_CHANGED = "epoch_changed"
+    ADMISSION_RECOMPUTE_CHEAPER = "admission_recompute_cheaper"
+    RECOVERY_CAP_REACHED = "recovery_cap_reached"
+    MODEL_REVISION_CHANGED = "model_revision_changed"
+
+
+class Admission(enum.StrEnum):
+    """The plan the scheduler ran for a request."""
+
+    COLD = "cold"
+    """Full prefill, nothing reused."""
+    EXACT = "exact"
+    """Exact resume at L* from state in place."""
+    SWAP_IN = "swap_in"
+    LOWER_RESUME = "lower_resume"
+    TAIL_REPLAY = "tail_replay"
+
+
+class BlockAction(enum.StrEnum):
+    """Fine-grained block events, in vLLM's KV-event vocabulary."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    OFFLOADED = "offloaded"
+    RESTORED = "restored"
+
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class _Event(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", kw_only=True):
+    ts: NonNegFloat
+    engine_id: Name
+
+
+class CacheLookup(_Event, tag="cache_lookup", kw_only=True):
+    """One per (request, form). ``usable_tokens`` is this form's own longest exact resume point
+    ≤ the hash hit; ``recoverable_tokens`` = min(usable, L*) when the form was used."""
+
+    request_id: Name
+    model: Name
+    form: Form
+    tier: Tier
+    outcome: Outcome
+    reason: Reason
+    hash_hit_tokens: NonNegInt
+    usable_tokens: NonNegInt
+    recoverable_tokens: NonNegInt
+    replayed_tokens: NonNegInt = 0
+    approximate: bool = False
+    recovery_seconds: NonNegFloat = 0.0
+    bytes_moved: NonNegInt = 0
+    layer_group: NonNegInt = 0
+    tp_rank: NonNegInt = 0
+    epoch: NonNegInt = 0
+
+
+class RequestEvent(_Event, tag="request", kw_only=True):
+    """One per request. Always ``prompt_tokens == recoverable_tokens + replayed_tokens +
+    recomputed_tokens``."""
+
+    request_id: Name
+    model: Name
+    prompt_tokens: NonNegInt
+    output_tokens: NonNegInt
+    hash_hit_tokens: NonNegInt
+    resume_tokens: NonNegInt
+    recoverable_tokens: NonNegInt
+    replayed_tokens: NonNegInt
+    recomputed_tokens: NonNegInt
+    approximate: bool = False
+    limiting_form: Form | None = None
+    limiting_reason: Reason = Reason.NONE
+    admission: Admission
+    ttft_seconds: NonNegFloat
+    e2e_seconds: NonNegFloat
+
+
+class EngineStats(_Event, tag="engine_stats", kw_only=True):
+    """Periodic occupancy of one (form, tier) pool plus the engine's queue figures."""
+
+    model: Name
+    form: Form
+    tier: Tier
+    used_bytes: NonNegInt
+    used_blocks: NonNegInt
+    cached_blocks: NonNegInt
+    free_blocks: NonNegInt
+    total_blocks: NonNegInt
+    running_requests: NonNegInt = 0
+    waiting_requests: NonNegInt = 0
+    recoveries_in_flight: NonNegInt = 0
+
+
+class BlockEvent(_Event, tag="block", kw_only=True):
+    """Optional audit trail of one block (or checkpoint) of one form."""
+
+    model: Name
+    form: Form
+    tier: Tier
+    action: BlockAction
+    block_hash: Name
+    block_id: NonNegInt
+    num_tokens: NonNegInt
+
+
+Event = CacheLookup | RequestEvent | EngineStats | BlockEvent
+
+
+class EventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The body of ``POST /v1/events``."""
+
+    schema_version: int
+    engine_id: Name
+    seq: NonNegInt
+    sent_at: NonNegFloat
+    events: list[Event]
+
+
+EVENT_KINDS: dict[str, type[msgspec.Struct]] = {
+    "cache_lookup": CacheLookup,
+    "request": RequestEvent,
+    "engine_stats": EngineStats,
+    "block": BlockEvent,
+}
+
+
+class EventError(ValueError):
+    """A batch that breaks the contract. ``path`` names the field (``$.events[3].form``)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+_json_decoder = msgspec.json.Decoder(EventBatch)
+_msgpack_decoder = msgspec.msgpack.Decoder(EventBatch)
+_json_encoder = msgspec.json.Encoder()
+_msgpack_encoder = msgspec.msgpack.Encoder()
+
+ContentFormat = Literal["json", "msgpack"]
+
+
+def decode_batch(body: bytes, fmt: ContentFormat = "json") -> EventBatch:
+    """Decode and validate one batch.
+
+    Raises:
+        EventError: the body is not valid JSON/msgpack, a field has the wrong type or range, an
+            unknown field or event kind appears, or a cross-field rule fails (see
+            :func:`check_batch`). Nothing of a rejected batch may be stored.
+    """
+    decoder = _json_decoder if fmt == "json" else _msgpack_decoder
+    try:
+        batch = decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        path = "$"
+        if " - at `" in message:
+            message, _, rest = message.partition(" - at `")
+            path = rest.rstrip("`")
+        raise EventError(path, message) from None
+    except msgspec.DecodeError as exc:
+        raise EventError("$", f"malformed {fmt} body: {exc}") from None
+    check_batch(batch)
+    return batch
+
+
+def check_batch(batch: EventBatch) -> None:
+    """Check the rules a type system cannot express.
+
+    Raises:
+        EventError: wrong ``schema_version``; too many events; an event whose ``engine_id``
+            differs from the batch's; a ``hit`` with a reason or a non-hit without one; a
+            ``cache_lookup`` whose usable or recoverable tokens exceed its hash hit; a
+            ``request`` whose token split does not add up to its prompt.
+    """
+    if batch.schema_version != SCHEMA_VERSION:
+        raise EventError(
+            "$.schema_version",
+            f"unsupported schema_version {batch.schema_version}; this agent accepts {SCHEMA_VERSION}",
+        )
+    if len(batch.events) > MAX_EVENTS_PER_BATCH:
+        raise EventError("$.events", f"{len(batch.events)} events exceed the limit of {MAX_EVENTS_PER_BATCH}")
+    for i, ev in enumerate(batch.events):
+        at = f"$.events[{i}]"
+        if ev.engine_id != batch.engine_id:
+            raise EventError(f"{at}.engine_id", f"{ev.engine_id!r} differs from the batch's engine_id {batch.engine_id!r}")
+        if isinstance(ev, CacheLookup):
+            if (ev.outcome == Outcome.HIT) != (ev.reason == Reason.NONE):
+                raise EventError(f"{at}.reason", f"outcome {ev.outcome} cannot carry reason {ev.reason}")
+            if ev.usable_tokens > ev.hash_hit_tokens:
+                raise EventError(f"{at}.usable_tokens", "exceeds hash_hit_tokens")
+            if ev.recoverable_tokens > ev.usable_tokens:
+                raise EventError(f"{at}.recoverable_tokens", "exceeds usable_tokens")
+        elif isinstance(ev, RequestEvent):
+            total = ev.recoverable_tokens + ev.replayed_tokens + ev.recomputed_tokens
+            if total != ev.prompt_tokens:
+                raise EventError(
+                    f"{at}.prompt_tokens",
+                    f"recoverable + replayed + recomputed = {total} != prompt_tokens {ev.prompt_tokens}",
+                )
+            if ev.recoverable_tokens > ev.hash_hit_tokens:
+                raise EventError(f"{at}.recoverable_tokens", "exceeds hash_hit_tokens")
+            if ev.resume_tokens >= max(ev.prompt_tokens, 1):
+                raise EventError(f"{at}.resume_tokens", "must be below prompt_tokens")
+
+
+def encode_batch(batch: EventBatch, fmt: ContentFormat = "json") -> bytes:
+    """Serialise a batch for ``POST /v1/events`` (content type ``application/json`` or
+    ``application/msgpack``)."""
+    return (_json_encoder if fmt == "json" else _msgpack_encoder).encode(batch)
+
+
+def to_builtins(event: Event) -> dict[str, object]:
+    """The event as a plain dict including its ``kind`` (for Arrow conversion)."""
+    out = msgspec.to_builtins(event)
+    assert isinstance(out, dict)
+    return out

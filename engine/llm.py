@@ -1,0 +1,385 @@
+"""``engine.LLM``: the public entry point (shaped like vLLM's ``LLM``), DESIGN.md §4.
+
+Every request runs through the prefix cache: hash chain → lookup (L* and every form's verdict)
+→ leases → chunked prefill from L* (taking recurrent checkpoints at their boundaries) → decode →
+release. One ``cache_lookup`` event per (request, form) and one ``request`` event go to the
+telemetry sink. Requests run one at a time in this walking skeleton.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from engine.cache import CacheConfig, PrefixCache
+from engine.cache.coordinator import ResumePlan, resume_limit
+from engine.cache.sequence import PagedSequence
+from engine.config import HybridConfig, resolve_preset
+from engine.events import Admission, CacheLookup, EngineStats, RequestEvent, Tier
+from engine.model.hybrid import HybridForCausalLM
+from engine.outputs import CacheReport, RequestOutput, ScoreOutput
+from engine.sampling import Sampler, SamplingParams
+from engine.telemetry import EventSink, NullSink, TelemetryClient
+from engine.tokenizer import ByteTokenizer
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_SECONDS = 5.0
+
+
+class RequestTooLarge(ValueError):
+    """A request that cannot fit the cache pools as configured (raise the pool sizes)."""
+
+
+def default_engine_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` picks CUDA when present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@dataclass(slots=True)
+class _RunResult:
+    logits: Tensor | None
+    last_logits: Tensor
+    output_token_ids: list[int]
+    report: CacheReport
+    ttft_seconds: float
+    e2e_seconds: float
+
+
+class LLM:
+    """A hybrid-attention model with a per-form prefix cache.
+
+    Args:
+        model: a preset name (``kvscope_hybrid-tiny``).
+        device: ``"auto"``, ``"cpu"`` or ``"cuda[:i]"``.
+        cache: pool sizes and policies (defaults: :class:`CacheConfig`).
+        telemetry: an agent URL (events are shipped by a :class:`TelemetryClient`), an
+            :class:`EventSink`, or None (events discarded).
+        engine_id: names this engine in events (default ``host-pid``).
+        check_invariants: run :meth:`PrefixCache.check_invariants` after every chunk (tests).
+
+    Raises:
+        ValueError: an unknown model name or an invalid cache configuration.
+    """
+
+    def __init__(
+        self,
+        model: str | Path = "kvscope_hybrid-tiny",
+        device: str = "auto",
+        cache: CacheConfig | None = None,
+        telemetry: str | EventSink | None = None,
+        *,
+        engine_id: str | None = None,
+        check_invariants: bool = False,
+    ) -> None:
+        name = str(model)
+        if Path(name).is_dir():
+            raise ValueError(f"{name}: loading model directories is not supported yet; use a preset")
+        self.model_name = name
+        self.config: HybridConfig = resolve_preset(name)
+        self.device = resolve_device(device)
+        self.cache_config = cache or CacheConfig()
+        self.engine_id = engine_id or default_engine_id()
+        self.tokenizer = ByteTokenizer()
+        torch.manual_seed(self.config.seed)
+        self.model = HybridForCausalLM(self.config)
+        self.model.init_random(self.config.seed)
+        self.model.to(self.device).eval()
+        self._check_fits(prompt_tokens=1, max_tokens=0)
+        self.cache = PrefixCache(
+            self.config,
+            self.cache_config,
+            self.model_name,
+            self.device,
+            torch.float32,
+            self.model.linear_state_shapes(),
+        )
+        self.cache.log_plan()
+        self.sink: EventSink
+        if telemetry is None:
+            self.sink = NullSink()
+        elif isinstance(telemetry, str):
+            self.sink = TelemetryClient(telemetry, self.engine_id)
+        else:
+            self.sink = telemetry
+        self.check_invariants = check_invariants
+        self._request_counter = itertools.count()
+        self._last_stats = 0.0
+
+    # -- public API ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill_logits(self, token_ids: Sequence[int]) -> Tensor:
+        """Logits ``[T, vocab]`` (float32) of a full recompute with no cache: the reference.
+
+        Raises:
+            ValueError: an empty prompt or a token id outside the vocabulary.
+        """
+        ids = self._as_tensor(token_ids)
+        return self.model(ids, torch.arange(len(ids), device=self.device), self.model.new_dense_state())
+
+    @torch.no_grad()
+    def score(self, token_ids: Sequence[int], *, request_id: str | None = None) -> ScoreOutput:
+        """Run a prompt through the prefix cache like a normal request (no decode) and return the
+        logits of the positions actually computed (L* … T−1)."""
+        rid = request_id or self._next_request_id()
+        result = self._run(list(token_ids), SamplingParams(max_tokens=0), rid, keep_logits=True)
+        assert result.logits is not None
+        return ScoreOutput(request_id=rid, logits=result.logits, cache=result.report)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list (text or token ids), one request after another.
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, or a prompt that
+                does not fit the cache pools.
+        """
+        params = sampling_params or SamplingParams()
+        batch = self._normalise_prompts(prompts)
+        if request_ids is not None and len(request_ids) != len(batch):
+            raise ValueError(f"{len(request_ids)} request_ids for {len(batch)} prompts")
+        outputs = []
+        for i, ids in enumerate(batch):
+            rid = request_ids[i] if request_ids is not None else self._next_request_id()
+            r = self._run(ids, params, rid, keep_logits=False)
+            outputs.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    output_token_ids=r.output_token_ids,
+                    text=self.tokenizer.decode(r.output_token_ids),
+                    cache=r.report,
+                    ttft_seconds=r.ttft_seconds,
+                    e2e_seconds=r.e2e_seconds,
+                )
+            )
+        return outputs
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Flush and stop the telemetry sink."""
+        self.sink.close(timeout)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- request execution -------------------------------------------------------------------------
+    def _run(self, token_ids: list[int], params: SamplingParams, request_id: str, keep_logits: bool) -> _RunResult:
+        arrival_wall = time.time()
+        t0 = time.perf_counter()
+        self._as_tensor(token_ids)  # validates
+        self._check_fits(len(token_ids), params.max_tokens)
+        hashes = self.cache.block_hashes(token_ids)
+        plan = self.cache.lookup(hashes, len(token_ids))
+        seq = self.cache.start(plan, token_ids, hashes)
+        try:
+            epochs = {f.form: self.cache.form_epoch(seq, f, plan.resume_tokens) for f in self.cache.forms}
+            logits = self._prefill(seq, plan, keep_logits)
+            last = logits[-1]
+            sampler = Sampler(params)
+            outputs: list[int] = []
+            ttft = time.perf_counter() - t0
+            while len(outputs) < params.max_tokens:
+                token = sampler(last)
+                outputs.append(token)
+                if len(outputs) == 1:
+                    ttft = time.perf_counter() - t0
+                if token in params.stop_token_ids or len(outputs) == params.max_tokens:
+                    break
+                last = self._decode_step(seq, token)
+        finally:
+            seq.finish()
+            if self.check_invariants:
+                self.cache.check_invariants()
+        e2e = time.perf_counter() - t0
+        report = CacheReport(
+            prompt_tokens=len(token_ids),
+            hash_hit_tokens=plan.hash_hit_tokens,
+            resume_tokens=plan.resume_tokens,
+            limiting_form=plan.limiting_form,
+            limiting_reason=plan.limiting_reason,
+            admission=Admission.EXACT if plan.resume_tokens else Admission.COLD,
+            approximate=False,
+            forms=plan.forms,
+        )
+        self._emit_request(request_id, arrival_wall, report, len(outputs), ttft, e2e, epochs)
+        return _RunResult(logits if keep_logits else None, last, outputs, report, ttft, e2e)
+
+    def _prefill(self, seq: PagedSequence, plan: ResumePlan, keep_logits: bool) -> Tensor:
+        """Run ``[L*, T)`` in chunks ending at checkpoint positions; logits of the computed
+        positions (or only the last chunk's when ``keep_logits`` is False)."""
+        c = self.cache_config
+        total = len(seq.token_ids)
+        limit = resume_limit(total, c.unit_tokens)
+        start = plan.resume_tokens
+        checkpoints = {p for p in range(start + 1, limit + 1) if p % c.checkpoint_interval_tokens == 0}
+        if limit > start:
+            checkpoints.add(limit)
+        pieces: list[Tensor] = []
+        while start < total:
+            end = min(total, start + c.max_prefill_chunk_tokens)
+            later = [p for p in checkpoints if start < p < end]
+            if later:
+                end = min(later)
+            positions = seq.begin_chunk(end)
+            logits = self.model(self._ids(seq.token_ids[start:end]), positions, seq)
+            seq.commit(end, take_checkpoint=end in checkpoints)
+            if self.check_invariants:
+                self.cache.check_invariants()
+            pieces.append(logits if keep_logits else logits[-1:])
+            start = end
+        return torch.cat(pieces) if keep_logits else pieces[-1]
+
+    def _decode_step(self, seq: PagedSequence, token: int) -> Tensor:
+        seq.append_token(token)
+        end = len(seq.token_ids)
+        positions = seq.begin_chunk(end)
+        logits = self.model(self._ids([token]), positions, seq)
+        seq.commit(end, take_checkpoint=False)
+        return logits[-1]
+
+    # -- events --------------------------------------------------------------------------------
+    def _emit_request(
+        self,
+        request_id: str,
+        ts: float,
+        report: CacheReport,
+        output_tokens: int,
+        ttft: float,
+        e2e: float,
+        epochs: dict,
+    ) -> None:
+        for f in report.forms:
+            self.sink.emit(
+                CacheLookup(
+                    ts=ts,
+                    engine_id=self.engine_id,
+                    request_id=request_id,
+                    model=self.model_name,
+                    form=f.form,
+                    tier=Tier.DEVICE,
+                    outcome=f.outcome,
+                    reason=f.reason,
+                    hash_hit_tokens=report.hash_hit_tokens,
+                    usable_tokens=f.usable_tokens,
+                    recoverable_tokens=f.recoverable_tokens,
+                    epoch=epochs.get(f.form, 0),
+                )
+            )
+        self.sink.emit(
+            RequestEvent(
+                ts=ts,
+                engine_id=self.engine_id,
+                request_id=request_id,
+                model=self.model_name,
+                prompt_tokens=report.prompt_tokens,
+                output_tokens=output_tokens,
+                hash_hit_tokens=report.hash_hit_tokens,
+                resume_tokens=report.resume_tokens,
+                recoverable_tokens=report.recoverable_tokens,
+                replayed_tokens=0,
+                recomputed_tokens=report.recomputed_tokens,
+                approximate=report.approximate,
+                limiting_form=report.limiting_form,
+                limiting_reason=report.limiting_reason,
+                admission=report.admission,
+                ttft_seconds=ttft,
+                e2e_seconds=e2e,
+            )
+        )
+        now = time.time()
+        if now - self._last_stats >= STATS_INTERVAL_SECONDS:
+            self._last_stats = now
+            self.emit_engine_stats(now)
+
+    def emit_engine_stats(self, ts: float | None = None) -> None:
+        """One ``engine_stats`` event per form (device tier) with the pools' occupancy."""
+        ts = time.time() if ts is None else ts
+        for occ in self.cache.occupancy():
+            self.sink.emit(
+                EngineStats(
+                    ts=ts,
+                    engine_id=self.engine_id,
+                    model=self.model_name,
+                    form=occ.form,
+                    tier=Tier.DEVICE,
+                    used_bytes=occ.used_bytes,
+                    used_blocks=occ.used_blocks,
+                    cached_blocks=occ.cached_blocks,
+                    free_blocks=occ.free_blocks,
+                    total_blocks=occ.total_blocks,
+                )
+            )
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _next_request_id(self) -> str:
+        return f"{self.engine_id}-{next(self._request_counter)}"
+
+    def _ids(self, token_ids: Sequence[int]) -> Tensor:
+        return torch.tensor(token_ids, dtype=torch.long, device=self.device)
+
+    def _as_tensor(self, token_ids: Sequence[int]) -> Tensor:
+        if len(token_ids) == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        ids = self._ids(token_ids)
+        bad = ((ids < 0) | (ids >= self.config.vocab_size)).nonzero()
+        if len(bad):
+            i = int(bad[0].item())
+            raise ValueError(f"token id {token_ids[i]} at position {i} is outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        c = self.cache_config
+        pages = -(-(prompt_tokens + max_tokens) // c.unit_tokens)
+        if "full_attention" in self.config.layer_types and pages > c.full_kv_blocks - 1:
+            raise RequestTooLarge(
+                f"a request of {prompt_tokens} prompt + {max_tokens} output tokens needs {pages} full_kv "
+                f"pages; the pool has {c.full_kv_blocks - 1} (raise CacheConfig.full_kv_blocks)"
+            )
+        # a request holds the window behind its last checkpoint, one chunk and its output
+        span = self.config.sliding_window + c.max_prefill_chunk_tokens + c.checkpoint_interval_tokens + max_tokens
+        window_pages = -(-span // c.unit_tokens) + 2
+        if "sliding_attention" in self.config.layer_types and window_pages > c.swa_blocks - 1:
+            raise RequestTooLarge(
+                f"a request generating {max_tokens} tokens may hold {window_pages} swa_window pages; "
+                f"the pool has {c.swa_blocks - 1} (raise CacheConfig.swa_blocks)"
+            )
+
+    def _normalise_prompts(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
+        if isinstance(prompts, str):
+            return [self.tokenizer.encode(prompts)]
+        items: list[object] = list(prompts)
+        if items and all(isinstance(p, int) for p in items):
+            return [[p for p in items if isinstance(p, int)]]
+        out: list[list[int]] = []
+        for p in items:
+            if isinstance(p, str):
+                out.append(self.tokenizer.encode(p))
+            elif isinstance(p, Sequence):
+                out.append([int(t) for t in p])
+            else:
+                raise ValueError(f"a prompt must be text or a list of token ids, got {type(p).__name__}")
+        return out

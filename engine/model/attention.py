@@ -1,0 +1,63 @@
+"""Softmax attention layers: ``full_attention`` and ``sliding_attention`` (GQA + RoPE).
+
+For a query at position p the layer attends to keys at positions k with k ≤ p and, for a
+sliding layer with window W, p − k < W (the current token plus the W − 1 before it, as in
+Mistral / transformers' ``sliding_window``).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from engine.config import HybridConfig
+from engine.model.layers import apply_rotary
+from engine.model.state import SequenceState
+
+
+def attention_mask(q_positions: Tensor, k_positions: Tensor, window: int | None) -> Tensor:
+    """Boolean ``[T, S]`` mask, True where the query may attend to the key."""
+    diff = q_positions[:, None] - k_positions[None, :]
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with rotary embeddings.
+
+    forward: ``x [T, C]``, ``positions [T]``, rotary tables ``[T, D]`` → ``[T, C]``.
+    """
+
+    def __init__(self, config: HybridConfig, layer: int, window: int | None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.window = window
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        c = config.hidden_size
+        self.q_proj = nn.Linear(c, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c, bias=False)
+
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        kv = state.attention_kv(self.layer, positions, k, v)
+        mask = attention_mask(positions, kv.positions, self.window)
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            kv.keys.transpose(0, 1).unsqueeze(0),
+            kv.values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(t, -1))
+

@@ -1,0 +1,202 @@
+"""Engine-side telemetry: event sinks and the non-blocking client that ships batches to the agent.
+
+:class:`TelemetryClient` never blocks the engine step: :meth:`~TelemetryClient.emit` puts the
+event on a bounded in-memory queue (a full queue drops the event and counts it); a background
+thread groups events into batches (by size and by age), stamps each batch with the engine id and
+a per-engine monotonic ``seq`` (DESIGN.md §5) and posts it as msgpack to ``POST /v1/events``,
+retrying connection failures and 5xx answers with capped exponential backoff. A batch the agent
+rejects (4xx) is not retried: it is counted and logged with the agent's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Protocol
+
+import httpx
+
+from engine.events import SCHEMA_VERSION, Event, EventBatch, encode_batch
+
+log = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    """Anything the engine can hand events to."""
+
+    def emit(self, event: Event) -> None: ...
+
+    def flush(self, timeout: float | None = None) -> bool: ...
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+class NullSink:
+    """Discards events (telemetry off)."""
+
+    def emit(self, event: Event) -> None:
+        pass
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+
+class ListSink:
+    """Keeps every event in memory (tests, and callers that read events in-process)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+
+class TelemetryClient:
+    """Bounded queue + background sender to an agent at ``url``.
+
+    Args:
+        url: the agent's base URL (``http://127.0.0.1:9400``).
+        engine_id: stamped on every batch; events must carry the same id.
+        max_queue_events: capacity of the in-memory queue; beyond it events are dropped and
+            counted in :attr:`dropped_events`.
+        batch_max_events / batch_max_seconds: a batch is sent when it holds this many events or
+            its oldest event is this old.
+        max_retries: attempts per batch for connection errors and 5xx answers (backoff doubles
+            from 0.1 s up to 2 s).
+        token: optional bearer token for the agent.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        engine_id: str,
+        *,
+        max_queue_events: int = 200_000,
+        batch_max_events: int = 1_000,
+        batch_max_seconds: float = 0.5,
+        max_retries: int = 8,
+        timeout_seconds: float = 10.0,
+        token: str | None = None,
+    ) -> None:
+        if max_queue_events <= 0 or batch_max_events <= 0 or batch_max_seconds <= 0:
+            raise ValueError("telemetry queue and batch limits must be positive")
+        self.url = url.rstrip("/") + "/v1/events"
+        self.engine_id = engine_id
+        self.batch_max_events = batch_max_events
+        self.batch_max_seconds = batch_max_seconds
+        self.max_retries = max_retries
+        self._queue: queue.Queue[Event] = queue.Queue(maxsize=max_queue_events)
+        headers = {"Content-Type": "application/msgpack"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(timeout=timeout_seconds, headers=headers)
+        self._seq = 0
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.sent_events = 0
+        self.sent_batches = 0
+        self.dropped_events = 0
+        self.rejected_batches = 0
+        self.failed_batches = 0
+        self._thread = threading.Thread(target=self._run, name="kvscope-telemetry", daemon=True)
+        self._thread.start()
+
+    def emit(self, event: Event) -> None:
+        """Queue one event; never blocks. A full queue drops it (counted, logged)."""
+        with self._cond:
+            self._pending += 1
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self._settle(1)
+            self.dropped_events += 1
+            if self.dropped_events in (1, 10, 100) or self.dropped_events % 10_000 == 0:
+                log.error("telemetry queue full: %d events dropped so far", self.dropped_events)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued event was sent (or given up on). True if drained in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Flush, stop the sender and close the HTTP client."""
+        self.flush(timeout)
+        self._stop.set()
+        self._thread.join(timeout)
+        self._http.close()
+
+    # -- sender thread -------------------------------------------------------------------------
+    def _settle(self, n: int) -> None:
+        with self._cond:
+            self._pending -= n
+            if self._pending == 0:
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        while not (self._stop.is_set() and self._queue.empty()):
+            try:
+                first = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            events = [first]
+            deadline = time.monotonic() + self.batch_max_seconds
+            while len(events) < self.batch_max_events:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    events.append(self._queue.get(timeout=remaining))
+                except queue.Empty:
+                    break
+            try:
+                self._send(events)
+            finally:
+                self._settle(len(events))
+
+    def _send(self, events: list[Event]) -> None:
+        batch = EventBatch(
+            schema_version=SCHEMA_VERSION, engine_id=self.engine_id, seq=self._seq, sent_at=time.time(), events=events
+        )
+        self._seq += 1
+        body = encode_batch(batch, "msgpack")
+        delay = 0.1
+        for attempt in range(1, self.max_retries + 1):
+            try:
+                resp = self._http.post(self.url, content=body)
+            except httpx.HTTPError as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            else:
+                if resp.status_code < 300:
+                    self.sent_events += len(events)
+                    self.sent_batches += 1
+                    return
+                if resp.status_code < 500:
+                    self.rejected_batches += 1
+                    log.error("agent rejected batch seq=%d (%d events): %s", batch.seq, len(events), resp.text[:500])
+                    return
+                reason = f"HTTP {resp.status_code}"
+            if attempt < self.max_retries and not self._stop.is_set():
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            log.warning("telemetry batch seq=%d attempt %d failed: %s", batch.seq, attempt, reason)
+        self.failed_batches += 1
+        self.dropped_events += len(events)
+        log.error("telemetry batch seq=%d dropped after %d attempts (%d events)", batch.seq, self.max_retries, len(events))

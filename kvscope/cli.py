@@ -1,0 +1,269 @@
+"""The ``kvscope`` command line (DESIGN.md §10).
+
+Every subcommand parses its flags here and calls into the package that does the work. User
+errors (a bad trace, bad SQL, a bad config, a locked database) print one clear line on stderr
+and exit with status 2; a failed service exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agent.client import AgentError, default_agent_url
+from engine.cache.config import CacheConfig
+
+if TYPE_CHECKING:
+    from engine.trace.replay import ReplayConfig
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def _add_replay_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="kvscope_hybrid-tiny", help="preset name (default: %(default)s)")
+    p.add_argument("--speed", type=_positive_float, default=30.0, help="trace seconds per wall second (default: %(default)s)")
+    p.add_argument("--max-wait-seconds", type=float, default=1.0, help="cap on one wait between arrivals (default: %(default)s)")
+    p.add_argument("--max-requests", type=_positive_int, default=None, help="stop after N requests")
+    p.add_argument("--block-tokens", type=_positive_int, default=None, help="tokens per trace block in the replay (default: the trace's block size / 16)")
+    p.add_argument("--max-output-tokens", type=int, default=16, help="cap on decoded tokens per request (default: %(default)s)")
+    p.add_argument("--unit-tokens", type=_positive_int, default=16, help="prefix-match unit U (default: %(default)s)")
+    defaults = CacheConfig()
+    p.add_argument("--full-kv-blocks", type=_positive_int, default=defaults.full_kv_blocks, help="full_kv pool pages (default: %(default)s)")
+    p.add_argument("--swa-blocks", type=_positive_int, default=defaults.swa_blocks, help="swa_window pool pages (default: %(default)s)")
+    p.add_argument("--linear-checkpoints", type=_positive_int, default=defaults.linear_checkpoints, help="linear_state checkpoint slots (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvscope", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="agent + alerts + dashboard + the engine replaying a real trace")
+    up.add_argument("--trace", type=Path, default=None, help="weka directory/.json or mooncake .jsonl (default: the bundled weka slice)")
+    up.add_argument("--data-dir", type=Path, default=Path("kvscope-data"), help="DuckDB, logs (default: %(default)s)")
+    up.add_argument("--agent-port", type=int, default=9400)
+    up.add_argument("--dashboard-port", type=int, default=8501)
+    up.add_argument("--no-dashboard", action="store_true", help="do not start the Streamlit dashboard")
+    up.add_argument("--exit-when-done", action="store_true", help="stop agent and dashboard after the replay")
+    up.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help="evaluate alerts every N s instead of every minute")
+    _add_replay_flags(up)
+
+    agent = sub.add_parser("agent", help="the sidecar: ingest, DuckDB store, metrics, SQL, alerts")
+    agent.add_argument("--config", type=Path, default=None, help="YAML file (flags override it)")
+    agent.add_argument("--host", default=None)
+    agent.add_argument("--port", type=int, default=None)
+    agent.add_argument("--data-dir", type=Path, default=None)
+    agent.add_argument("--token", default=None, help="bearer token (or KVSCOPE_TOKEN)")
+    agent.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help=argparse.SUPPRESS)
+
+    dash = sub.add_parser("dashboard", help="the Streamlit dashboard")
+    dash.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
+    dash.add_argument("--port", type=int, default=8501)
+    dash.add_argument("--host", default="127.0.0.1")
+
+    rep = sub.add_parser("replay", help="replay a trace through the engine")
+    rep.add_argument("trace", type=Path)
+    rep.add_argument("--agent", default=None, help="send events to this agent")
+    _add_replay_flags(rep)
+
+    gen = sub.add_parser("generate", help="generate text")
+    gen.add_argument("--model", default="kvscope_hybrid-tiny")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+
+    sql = sub.add_parser("sql", help="ad-hoc read-only SQL over the cache logs")
+    sql.add_argument("query")
+    where = sql.add_mutually_exclusive_group()
+    where.add_argument("--agent", default=None, help="through a running agent (default when --db is absent)")
+    where.add_argument("--db", type=Path, default=None, help="a DuckDB file, opened read-only (no agent running)")
+    sql.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        code = COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"kvscope {args.command}: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+class UserError(Exception):
+    """An error the user can fix (bad input, bad config, an unreachable agent)."""
+
+
+def _replay_config(args: argparse.Namespace) -> tuple[ReplayConfig, CacheConfig]:
+    """Replay and cache settings from the flags; the checkpoint interval (8·U) and the prefill
+    chunk (32·U) follow the prefix-match unit."""
+    from engine.trace.replay import ReplayConfig
+
+    try:
+        return (
+            ReplayConfig(
+                block_tokens=args.block_tokens,
+                speed=args.speed,
+                max_wait_seconds=args.max_wait_seconds,
+                max_requests=args.max_requests,
+                max_output_tokens=args.max_output_tokens,
+            ),
+            CacheConfig(
+                unit_tokens=args.unit_tokens,
+                full_kv_blocks=args.full_kv_blocks,
+                swa_blocks=args.swa_blocks,
+                linear_checkpoints=args.linear_checkpoints,
+                checkpoint_interval_tokens=8 * args.unit_tokens,
+                max_prefill_chunk_tokens=32 * args.unit_tokens,
+            ),
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from engine.trace.formats import TraceError
+    from kvscope.up import UpOptions, run_up
+
+    replay_cfg, cache_cfg = _replay_config(args)
+    opts = UpOptions(
+        trace=args.trace,
+        model=args.model,
+        data_dir=args.data_dir,
+        agent_port=args.agent_port,
+        dashboard_port=args.dashboard_port,
+        dashboard=not args.no_dashboard,
+        replay=replay_cfg,
+        cache=cache_cfg,
+        exit_when_done=args.exit_when_done,
+        json=args.json,
+        alert_interval_seconds=args.alert_interval_seconds,
+    )
+    try:
+        return run_up(opts)
+    except (TraceError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from agent.config import AgentConfig, ConfigError, load_config
+    from agent.server import serve
+
+    try:
+        config = load_config(args.config) if args.config else AgentConfig()
+        overrides = {
+            k: v
+            for k, v in {
+                "host": args.host,
+                "port": args.port,
+                "data_dir": args.data_dir,
+                "token": args.token,
+                "alert_interval_seconds": args.alert_interval_seconds,
+            }.items()
+            if v is not None
+        }
+        config = dataclasses.replace(config, **overrides)
+    except (ConfigError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    serve(config)
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+
+    from dashboard.launch import streamlit_command
+
+    url = args.agent or default_agent_url()
+    argv = streamlit_command(url, args.port, args.host)
+    return subprocess.call(argv, env={**os.environ, "KVSCOPE_AGENT_URL": url})
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from engine.llm import LLM
+    from engine.telemetry import TelemetryClient
+    from engine.trace.formats import TraceError, load_trace
+    from engine.trace.replay import replay
+    from kvscope.summary import Summary
+
+    replay_cfg, cache_cfg = _replay_config(args)
+    try:
+        requests = load_trace(args.trace)
+        telemetry = TelemetryClient(args.agent, "replay") if args.agent else None
+        llm = LLM(args.model, cache=cache_cfg, telemetry=telemetry)
+    except (TraceError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    try:
+        tally = replay(llm, requests, replay_cfg)
+    finally:
+        llm.close()
+    summary = Summary.from_tally(tally)
+    if args.json:
+        print(json.dumps({**summary.to_json(), "skipped_requests": tally.skipped_requests}))
+    else:
+        summary.render(Console())
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        llm = LLM(args.model)
+        out = llm.generate(args.prompt, params)[0]
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print(args.prompt + out.text)
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from kvscope.sql import run_sql
+
+    try:
+        sys.stdout.write(run_sql(args.query, db=args.db, agent=args.agent or (None if args.db else default_agent_url()), fmt=args.format))
+    except (AgentError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    return 0
+
+
+COMMANDS = {
+    "up": cmd_up,
+    "agent": cmd_agent,
+    "dashboard": cmd_dashboard,
+    "replay": cmd_replay,
+    "generate": cmd_generate,
+    "sql": cmd_sql,
+}

@@ -1,0 +1,113 @@
+"""The per-form summary ``kvscope up`` and ``kvscope replay`` print at the end.
+
+For ``kvscope up`` it is computed from the events the agent stored (named queries ``totals`` and
+``form_outcomes``), so it shows what operators will query; ``kvscope replay`` without an agent
+computes the same figures in-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from agent.client import AgentClient
+from engine.events import Form, Outcome
+from engine.trace.replay import ReplayTally
+
+TOKEN_FIELDS = ("prompt_tokens", "hash_hit_tokens", "recoverable_tokens", "replayed_tokens", "recomputed_tokens")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Summary:
+    """Totals over one engine's requests, and ``forms``: form → outcome → lookup count."""
+
+    requests: int
+    prompt_tokens: int
+    hash_hit_tokens: int
+    recoverable_tokens: int
+    replayed_tokens: int
+    recomputed_tokens: int
+    forms: dict[str, dict[str, int]]
+    reasons: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def raw_hit_rate(self) -> float | None:
+        return self.hash_hit_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def recoverable_hit_rate(self) -> float | None:
+        return self.recoverable_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @classmethod
+    def from_agent(cls, client: AgentClient, engine_id: str) -> Summary:
+        """Read the stored events of ``engine_id`` back from the agent."""
+        totals = client.query("totals", engine_id=engine_id)[0]
+        forms: dict[str, dict[str, int]] = {}
+        reasons: dict[str, dict[str, int]] = {}
+        for row in client.query("form_outcomes", engine_id=engine_id):
+            form, outcome, reason, n = row["form"], row["outcome"], row["reason"], int(row["lookups"])
+            forms.setdefault(form, {str(o): 0 for o in Outcome})[outcome] += n
+            if outcome != Outcome.HIT:
+                reasons.setdefault(form, {})
+                reasons[form][reason] = reasons[form].get(reason, 0) + n
+        return cls(
+            requests=int(totals["requests"]),
+            **{k: int(totals[k]) for k in TOKEN_FIELDS},
+            forms=_ordered(forms),
+            reasons=_ordered(reasons),
+        )
+
+    @classmethod
+    def from_tally(cls, tally: ReplayTally) -> Summary:
+        return cls(
+            requests=tally.requests,
+            **{k: int(getattr(tally, k)) for k in TOKEN_FIELDS},
+            forms=_ordered(tally.outcome_counts()),
+            reasons=_ordered({f: dict(c) for f, c in tally.reasons.items()}),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            **{k: getattr(self, k) for k in TOKEN_FIELDS},
+            "raw_hit_rate": self.raw_hit_rate,
+            "recoverable_hit_rate": self.recoverable_hit_rate,
+            "forms": self.forms,
+            "reasons": self.reasons,
+        }
+
+    def render(self, console: Console) -> None:
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{100 * x:.1f}%"
+
+        console.print(
+            f"[bold]{self.requests}[/] requests, {self.prompt_tokens} prompt tokens: "
+            f"raw (hash) hit rate {pct(self.raw_hit_rate)}, recoverable hit rate "
+            f"[bold]{pct(self.recoverable_hit_rate)}[/] "
+            f"(recoverable {self.recoverable_tokens} / replayed {self.replayed_tokens} / "
+            f"recomputed {self.recomputed_tokens} tokens)"
+        )
+        table = Table(title="cache lookups per form")
+        table.add_column("form")
+        for o in Outcome:
+            table.add_column(str(o), justify="right")
+        for form, counts in self.forms.items():
+            table.add_row(form, *(str(counts.get(str(o), 0)) for o in Outcome))
+        console.print(table)
+        why = Table(title="lookups that were not a hit, by reason")
+        why.add_column("form")
+        why.add_column("reason")
+        why.add_column("lookups", justify="right")
+        for form, reasons in self.reasons.items():
+            for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+                why.add_row(form, reason, str(n))
+        if why.row_count:
+            console.print(why)
+
+
+def _ordered(by_form: dict[str, Any]) -> dict[str, Any]:
+    order = [str(f) for f in Form]
+    return {k: by_form[k] for k in sorted(by_form, key=lambda f: order.index(f) if f in order else len(order))}

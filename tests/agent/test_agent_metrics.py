@@ -1,0 +1,84 @@
+"""GET /metrics: exact counter values after the known batch; rejected/duplicate batches."""
+
+from __future__ import annotations
+
+from agent_testdata import batch, json_body, known_events
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.metrics import AgentMetrics
+
+JSON = {"content-type": "application/json"}
+
+
+def samples(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name.startswith("kvscope_") and not sample.name.endswith("_created"):
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def lbl(**labels: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items()))
+
+
+EM = {"engine": "e1", "model": "m1"}
+
+
+def test_metrics_after_known_batch_duplicate_and_rejected(client: TestClient, base: int) -> None:
+    body = json_body(batch(1, known_events(base)))
+    assert client.post("/v1/events", content=body, headers=JSON).json()["status"] == "stored"
+    assert client.post("/v1/events", content=body, headers=JSON).json()["status"] == "duplicate"
+    assert client.post("/v1/events", content=b"{", headers=JSON).status_code == 422
+    assert samples(client) == {
+        ("kvscope_cache_lookups_total", lbl(**EM, form="full_kv", tier="device", outcome="hit")): 1.0,
+        ("kvscope_cache_lookups_total", lbl(**EM, form="swa_window", tier="device", outcome="invalidated")): 1.0,
+        ("kvscope_cache_lookups_total", lbl(**EM, form="full_kv", tier="host", outcome="recovered")): 1.0,
+        ("kvscope_cache_lookups_total", lbl(**EM, form="linear_state", tier="device", outcome="replayed")): 1.0,
+        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="full_kv", outcome="hit")): 800.0,
+        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="swa_window", outcome="invalidated")): 800.0,
+        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="full_kv", outcome="recovered")): 3000.0,
+        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="linear_state", outcome="replayed")): 3000.0,
+        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="full_kv", outcome="hit")): 800.0,
+        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="swa_window", outcome="invalidated")): 600.0,
+        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="full_kv", outcome="recovered")): 3000.0,
+        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="linear_state", outcome="replayed")): 2400.0,
+        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="full_kv", outcome="hit")): 600.0,
+        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="swa_window", outcome="invalidated")): 600.0,
+        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="full_kv", outcome="recovered")): 2400.0,
+        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="linear_state", outcome="replayed")): 2400.0,
+        ("kvscope_invalidations_total", lbl(**EM, form="swa_window", reason="swa_evicted")): 1.0,
+        ("kvscope_requests_total", lbl(**EM)): 2.0,
+        ("kvscope_prompt_tokens_total", lbl(**EM)): 4000.0,
+        ("kvscope_hash_hit_tokens_total", lbl(**EM)): 3800.0,
+        ("kvscope_recoverable_tokens_total", lbl(**EM)): 3000.0,
+        ("kvscope_replayed_tokens_total", lbl(**EM)): 200.0,
+        ("kvscope_recomputed_tokens_total", lbl(**EM)): 800.0,
+        ("kvscope_ingest_batches_total", lbl(status="stored")): 1.0,
+        ("kvscope_ingest_batches_total", lbl(status="duplicate")): 1.0,
+        ("kvscope_ingest_batches_total", lbl(status="rejected")): 1.0,
+        ("kvscope_ingest_events_total", lbl(kind="cache_lookup")): 4.0,
+        ("kvscope_ingest_events_total", lbl(kind="request")): 2.0,
+        ("kvscope_ingest_events_total", lbl(kind="engine_stats")): 1.0,
+        ("kvscope_ingest_events_total", lbl(kind="block")): 1.0,
+    }  # fmt: skip
+
+
+def test_each_app_has_its_own_registry() -> None:
+    first, second = AgentMetrics(), AgentMetrics()
+    first.observe_rejected()
+    assert first.registry is not second.registry
+    assert first.ingest_batches.labels(status="rejected")._value.get() == 1.0
+    assert second.ingest_batches.labels(status="rejected")._value.get() == 0.0
+
+
+def test_ratio_gauge_replaces_its_series(metrics: AgentMetrics, client: TestClient) -> None:
+    metrics.set_recoverable_hit_ratios({("e1", "m1"): 0.75, ("e2", "m1"): 0.5})
+    metrics.set_recoverable_hit_ratios({("e1", "m1"): 0.25})
+    gauge = {k: v for k, v in samples(client).items() if k[0] == "kvscope_recoverable_hit_ratio"}
+    assert gauge == {("kvscope_recoverable_hit_ratio", lbl(**EM)): 0.25}

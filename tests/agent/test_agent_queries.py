@@ -1,0 +1,145 @@
+"""GET /v1/query/{name}: exact numbers for the known batch, parameter errors, unknown names."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pytest
+from agent_testdata import batch, json_body, request_event
+from fastapi.testclient import TestClient
+
+from agent.queries import NAMED_QUERIES
+
+JSON = {"content-type": "application/json"}
+
+
+def rows(client: TestClient, name: str, **params: object) -> list[dict[str, object]]:
+    response = client.get(f"/v1/query/{name}", params=params)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["columns"] == list(NAMED_QUERIES[name].columns)
+    return [dict(zip(body["columns"], row, strict=True)) for row in body["rows"]]
+
+
+def iso(unix_seconds: int) -> str:
+    return datetime.fromtimestamp(unix_seconds, UTC).replace(tzinfo=None).isoformat()
+
+
+def test_totals(loaded: TestClient) -> None:
+    expected = {
+        "requests": 2,
+        "prompt_tokens": 4000,
+        "hash_hit_tokens": 3800,
+        "recoverable_tokens": 3000,
+        "replayed_tokens": 200,
+        "recomputed_tokens": 800,
+    }
+    assert rows(loaded, "totals") == [expected]
+    assert rows(loaded, "totals", engine_id="e1") == [expected]
+    assert rows(loaded, "totals", engine_id="nope") == [dict.fromkeys(expected, 0)]
+
+
+def test_totals_empty_store_is_zero_not_null(client: TestClient) -> None:
+    assert rows(client, "totals") == [
+        {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "hash_hit_tokens": 0,
+            "recoverable_tokens": 0,
+            "replayed_tokens": 0,
+            "recomputed_tokens": 0,
+        }
+    ]
+
+
+def test_form_outcomes(loaded: TestClient) -> None:
+    assert rows(loaded, "form_outcomes") == [
+        {"form": "full_kv", "outcome": "hit", "reason": "none", "lookups": 1, "usable_tokens": 800, "recoverable_tokens": 600},
+        {"form": "full_kv", "outcome": "recovered", "reason": "kv_evicted", "lookups": 1, "usable_tokens": 3000, "recoverable_tokens": 2400},
+        {"form": "linear_state", "outcome": "replayed", "reason": "linear_checkpoint_missing", "lookups": 1, "usable_tokens": 2400, "recoverable_tokens": 2400},
+        {"form": "swa_window", "outcome": "invalidated", "reason": "swa_evicted", "lookups": 1, "usable_tokens": 600, "recoverable_tokens": 600},
+    ]  # fmt: skip
+    assert rows(loaded, "form_outcomes", engine_id="e2") == []
+
+
+def test_hit_rate_timeseries(loaded: TestClient, base: int) -> None:
+    # A request from two hours ago is outside the default one-hour window.
+    old = json_body(
+        batch(2, [request_event(base - 7200, "old", prompt_tokens=500, recomputed_tokens=500)])
+    )
+    assert loaded.post("/v1/events", content=old, headers=JSON).status_code == 200
+    assert rows(loaded, "hit_rate_timeseries") == [
+        {
+            "bucket": iso(base),
+            "requests": 2,
+            "prompt_tokens": 4000,
+            "hash_hit_tokens": 3800,
+            "recoverable_tokens": 3000,
+            "replayed_tokens": 200,
+            "recomputed_tokens": 800,
+            "raw_hit_rate": 0.95,
+            "recoverable_hit_rate": 0.75,
+        }
+    ]
+    # 2-second buckets split the two requests (ts base+2 and base+4).
+    split = rows(loaded, "hit_rate_timeseries", bucket_seconds=2, since_seconds=3600)
+    assert [(r["bucket"], r["prompt_tokens"], r["recoverable_hit_rate"]) for r in split] == [
+        (iso(base + 2), 1000, 0.6),
+        (iso(base + 4), 3000, 0.8),
+    ]
+    with_old = rows(loaded, "hit_rate_timeseries", since_seconds=3 * 3600, bucket_seconds=3600)
+    assert [r["prompt_tokens"] for r in with_old] == [500, 4000]
+    assert with_old[0]["recoverable_hit_rate"] == 0.0
+    assert rows(loaded, "hit_rate_timeseries", model="other") == []
+
+
+def test_form_usable_timeseries(loaded: TestClient, base: int) -> None:
+    assert rows(loaded, "form_usable_timeseries", engine_id="e1", model="m1") == [
+        {"bucket": iso(base), "form": "full_kv", "usable_tokens": 3800, "prompt_tokens": 4000, "usable_rate": 0.95},
+        {"bucket": iso(base), "form": "linear_state", "usable_tokens": 2400, "prompt_tokens": 3000, "usable_rate": 0.8},
+        {"bucket": iso(base), "form": "swa_window", "usable_tokens": 600, "prompt_tokens": 1000, "usable_rate": 0.6},
+    ]  # fmt: skip
+
+
+def test_recent_requests_and_arrow_format(loaded: TestClient) -> None:
+    latest = rows(loaded, "recent_requests", limit=1)
+    assert [(r["request_id"], r["admission"], r["limiting_form"]) for r in latest] == [
+        ("r2", "tail_replay", "linear_state")
+    ]
+    response = loaded.get("/v1/query/recent_requests", params={"format": "arrow"})
+    table = pa.ipc.open_stream(response.content).read_all()
+    assert table.column("request_id").to_pylist() == ["r2", "r1"]
+    assert table.schema.field("ts").type == pa.timestamp("us")
+
+
+def test_alerts_recent_empty(loaded: TestClient) -> None:
+    assert rows(loaded, "alerts_recent") == []
+
+
+@pytest.mark.parametrize(
+    ("params", "param", "reason"),
+    [
+        ({"since_seconds": "abc"}, "since_seconds", "must be int, got 'abc'"),
+        ({"bucket_seconds": "0"}, "bucket_seconds", "must be >= 1, got 0"),
+        ({"bucket_seconds": "1.5"}, "bucket_seconds", "must be int"),
+        ({"colour": "red"}, "colour", "unknown parameter of query hit_rate_timeseries"),
+        ({"format": "xml"}, "format", "format must be one of json, csv, arrow"),
+    ],
+)
+def test_bad_params_are_400_naming_the_param(
+    loaded: TestClient, params: dict[str, str], param: str, reason: str
+) -> None:
+    response = loaded.get("/v1/query/hit_rate_timeseries", params=params)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert reason in error["reason"]
+
+
+def test_unknown_query_is_404_listing_known(loaded: TestClient) -> None:
+    response = loaded.get("/v1/query/everything")
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["known"] == sorted(NAMED_QUERIES)
+    assert error["reason"].startswith("unknown query 'everything'; known queries: alerts_recent, ")

@@ -1,0 +1,183 @@
+"""Health, readiness, bearer token, store restart and migrations, config loading."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from agent_testdata import batch, json_body, known_events
+from fastapi.testclient import TestClient
+
+from agent.app import create_app
+from agent.config import AgentConfig, ConfigError, load_config
+from agent.migrations import MIGRATIONS, SCHEMA_VERSION
+from agent.store import Store, StoreClosedError
+
+JSON = {"content-type": "application/json"}
+
+
+def test_healthz_and_readyz(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ready", "schema_version": SCHEMA_VERSION}
+
+
+def test_app_owning_its_store_is_ready_only_inside_its_lifespan(config: AgentConfig) -> None:
+    app = create_app(config, environ={})
+    outside = TestClient(app)  # no lifespan: the store was never opened
+    assert outside.get("/healthz").status_code == 200
+    assert outside.get("/readyz").status_code == 503
+    with TestClient(app) as inside:
+        assert inside.get("/readyz").status_code == 200
+        assert inside.post("/v1/sql", json={"sql": "SELECT 1 AS one"}).json()["rows"] == [[1]]
+    assert app.state.store is None
+    with Store.open(config.db_path) as reopened:  # released on shutdown
+        assert reopened.open_report.applied == ()
+
+
+@pytest.mark.parametrize("source", ["config", "env"])
+def test_bearer_token_required_except_healthz(
+    config: AgentConfig, store: Store, source: str
+) -> None:
+    if source == "config":
+        app = create_app(dataclasses.replace(config, token="s3cret"), store, environ={})
+    else:
+        app = create_app(config, store, environ={"KVSCOPE_TOKEN": "s3cret"})
+    with TestClient(app) as client:
+        assert client.get("/healthz").status_code == 200
+        for method, path in [
+            ("GET", "/readyz"),
+            ("GET", "/metrics"),
+            ("GET", "/v1/query/totals"),
+            ("POST", "/v1/sql"),
+            ("POST", "/v1/events"),
+            ("GET", "/no/such/path"),
+        ]:
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+                response = client.request(method, path, headers=headers)
+                assert response.status_code == 401, (method, path, headers)
+                assert response.headers["www-authenticate"] == "Bearer"
+                assert response.json() == {"error": {"reason": "missing or wrong bearer token"}}
+        good = {"authorization": "Bearer s3cret"}
+        assert client.get("/readyz", headers=good).status_code == 200
+        assert client.get("/v1/query/totals", headers=good).json()["rows"][0][0] == 0
+        assert client.get("/no/such/path", headers=good).status_code == 404
+
+
+def test_restart_keeps_data_and_does_not_rerun_migrations(config: AgentConfig, base: int) -> None:
+    first = Store.open(config.db_path)
+    assert first.open_report.applied == tuple(m.version for m in MIGRATIONS)
+    with TestClient(create_app(config, first, environ={})) as client:
+        response = client.post(
+            "/v1/events", content=json_body(batch(1, known_events(base))), headers=JSON
+        )
+        assert response.json() == {"status": "stored", "events": 8}
+    with first.cursor() as cur:
+        migrations_before = cur.execute("SELECT * FROM schema_migrations").fetchall()
+    first.close()
+    first.close()  # idempotent
+    with pytest.raises(StoreClosedError), first.cursor():
+        pass
+
+    second = Store.open(config.db_path)
+    try:
+        assert second.open_report.applied == ()
+        assert second.schema_version == SCHEMA_VERSION
+        with second.cursor() as cur:
+            assert cur.execute("SELECT * FROM schema_migrations").fetchall() == migrations_before
+            assert cur.execute("SELECT count(*) FROM requests").fetchall() == [(2,)]
+        with TestClient(create_app(config, second, environ={})) as client:
+            again = client.post(
+                "/v1/events", content=json_body(batch(1, known_events(base))), headers=JSON
+            )
+            assert again.json() == {"status": "duplicate", "events": 8}
+    finally:
+        second.close()
+
+
+def test_store_is_locked_down(store: Store, tmp_path: Path) -> None:
+    import duckdb
+
+    with store.cursor() as cur:
+        with pytest.raises(duckdb.Error, match="locked"):
+            cur.execute("SET enable_external_access = true")
+        with pytest.raises(duckdb.PermissionException):
+            cur.execute(f"COPY requests TO '{tmp_path / 'x.csv'}'")
+    assert not (tmp_path / "x.csv").exists()
+
+
+def test_failed_transaction_rolls_back(store: Store) -> None:
+    with pytest.raises(RuntimeError, match="boom"), store.transaction() as cur:
+        cur.execute(
+            "INSERT INTO ingest_batches VALUES ('e1', 1, now()::TIMESTAMP, 0, 'stored', NULL)"
+        )
+        raise RuntimeError("boom")
+    with store.cursor() as cur:
+        assert cur.execute("SELECT count(*) FROM ingest_batches").fetchall() == [(0,)]
+
+
+def test_load_config(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(
+        "host: 0.0.0.0\nport: 9500\ndata_dir: /var/lib/kvscope\ntoken: t0k\n"
+        "sql_timeout_seconds: 2\nalert_threshold: 0.6\nalert_interval_seconds: null\n"
+    )
+    config = load_config(path)
+    assert config == AgentConfig(
+        host="0.0.0.0",
+        port=9500,
+        data_dir=Path("/var/lib/kvscope"),
+        token="t0k",
+        sql_timeout_seconds=2.0,
+        alert_threshold=0.6,
+    )
+    assert config.db_path == Path("/var/lib/kvscope/kvscope.duckdb")
+    assert config.alert_log_path == Path("/var/lib/kvscope/alerts.log")
+    assert config.alert_rule.threshold == 0.6
+    overridden = dataclasses.replace(config, port=9600, data_dir=tmp_path)
+    assert (overridden.port, overridden.host, overridden.data_dir) == (9600, "0.0.0.0", tmp_path)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == AgentConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("prot: 9400\n", "unknown key 'prot'; known keys: host, port,"),
+        ("port: '9400'\n", "key 'port' must be int, got str '9400'"),
+        ("port: true\n", "key 'port' must be int, got bool True"),
+        ("token: 5\n", "key 'token' must be str or null, got int 5"),
+        ("port: 70000\n", "port must be in [0, 65535], got 70000"),
+        ("alert_threshold: 1.5\n", "threshold must be a ratio in (0, 1], got 1.5"),
+        ("- 1\n- 2\n", "expected a mapping of settings, got list"),
+        ("port: [\n", "invalid YAML"),
+    ],
+)
+def test_bad_config_names_file_and_key(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert message in str(info.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"sql_row_limit": 0}, "sql_row_limit must be >= 1, got 0"),
+        ({"sql_timeout_seconds": 0.0}, "sql_timeout_seconds must be > 0, got 0.0"),
+        ({"alert_ingest_lag_seconds": 60}, "alert_ingest_lag_seconds must be in [0, 59], got 60"),
+        ({"token": ""}, "token must not be empty"),
+    ],
+)
+def test_config_validation(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        AgentConfig(**changes)  # type: ignore[arg-type]
+    assert message in str(info.value)

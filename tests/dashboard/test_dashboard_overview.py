@@ -1,0 +1,193 @@
+"""The Overview page against a real agent (uvicorn in a thread on 127.0.0.1), and without one."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import uvicorn
+from streamlit.testing.v1 import AppTest
+
+from agent.app import create_app
+from agent.config import AgentConfig
+from agent.store import Store
+from dashboard.client import AgentClient, AgentError, query_frame, resolve_agent_url
+from dashboard.launch import APP_PATH, streamlit_command
+
+APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
+
+
+def request(
+    ts: float, request_id: str, prompt: int, recoverable: int, hash_hit: int
+) -> dict[str, object]:
+    return {
+        "kind": "request",
+        "ts": ts,
+        "engine_id": "e1",
+        "request_id": request_id,
+        "model": "m1",
+        "prompt_tokens": prompt,
+        "output_tokens": 1,
+        "hash_hit_tokens": hash_hit,
+        "resume_tokens": recoverable,
+        "recoverable_tokens": recoverable,
+        "replayed_tokens": 0,
+        "recomputed_tokens": prompt - recoverable,
+        "admission": "exact",
+        "ttft_seconds": 0.1,
+        "e2e_seconds": 0.2,
+    }
+
+
+def lookup(ts: float, request_id: str, form: str, hash_hit: int, usable: int) -> dict[str, object]:
+    outcome, reason = ("hit", "none") if usable == hash_hit else ("invalidated", "swa_evicted")
+    return {
+        "kind": "cache_lookup",
+        "ts": ts,
+        "engine_id": "e1",
+        "request_id": request_id,
+        "model": "m1",
+        "form": form,
+        "tier": "device",
+        "outcome": outcome,
+        "reason": reason,
+        "hash_hit_tokens": hash_hit,
+        "usable_tokens": usable,
+        "recoverable_tokens": usable,
+    }
+
+
+@pytest.fixture
+def agent_url(tmp_path: Path) -> Iterator[str]:
+    """A real agent on a free 127.0.0.1 port with a known batch: in the latest minute bucket
+    3000 of 4000 prompt tokens are recoverable (75.0%) and 3800 hash hits (95.0%); the bucket
+    before it has 1000 of 2000 (50.0%)."""
+    config = AgentConfig(data_dir=tmp_path, port=0)
+    store = Store.open(config.db_path)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config, store, environ={}), log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "agent did not start"
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{port}"
+        base = (int(time.time()) // 60 - 2) * 60
+        events = [
+            request(base - 30, "r0", 2000, 1000, 1000),
+            lookup(base + 1, "r1", "full_kv", 800, 800),
+            request(base + 2, "r1", 1000, 600, 800),
+            lookup(base + 3, "r2", "full_kv", 3000, 3000),
+            lookup(base + 3, "r2", "swa_window", 3000, 2400),
+            request(base + 4, "r2", 3000, 2400, 3000),
+        ]
+        body = msgspec.json.encode(
+            {"schema_version": 1, "engine_id": "e1", "seq": 1, "sent_at": base, "events": events}
+        )
+        response = httpx.post(
+            f"{url}/v1/events", content=body, headers={"content-type": "application/json"}
+        )
+        assert response.json() == {"status": "stored", "events": 6}
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+        store.close()
+
+
+def metrics_by_label(at: AppTest) -> dict[str, tuple[str, str | None]]:
+    return {m.label: (m.value, m.delta or None) for m in at.metric}
+
+
+def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSCOPE_AGENT_URL", agent_url)
+    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
+    at = AppTest.from_file(APP, default_timeout=30).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert at.title[0].value == "Overview"
+    assert metrics_by_label(at) == {
+        "Recoverable hit rate": ("75.0%", "+25.0 pp"),
+        "Raw hit rate": ("95.0%", "+45.0 pp"),
+        "Raw − recoverable": ("20.0%", None),
+        "Prompt tokens (last bucket)": ("4,000", None),
+    }
+    assert [s.value for s in at.subheader] == [
+        "Recoverable vs raw hit rate",
+        "Prompt tokens: recoverable / replayed / recomputed",
+        "Usable rate per form",
+    ]
+
+
+def test_overview_with_agent_down_shows_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("KVSCOPE_AGENT_URL", dead)
+    at = AppTest.from_file(APP, default_timeout=30).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert len(at.error) == 1
+    assert at.error[0].value.startswith(f"agent unreachable at {dead}")
+    assert not at.metric
+
+
+def test_client_errors_are_readable(agent_url: str) -> None:
+    client = AgentClient(base_url=agent_url + "/")
+    assert client.base_url == agent_url
+    assert client.ready()
+    assert query_frame(client, "totals")["prompt_tokens"].tolist() == [6000]
+    assert client.query("totals")[0]["prompt_tokens"] == 6000
+    with pytest.raises(AgentError, match=r"refused query nope \(HTTP 404\): unknown query 'nope'"):
+        client.query("nope")
+    with pytest.raises(AgentError, match=r"\(HTTP 400\): parameter 'bucket_seconds': must be >= 1"):
+        client.query("hit_rate_timeseries", bucket_seconds=0)
+    with pytest.raises(ValueError, match="must start with http"):
+        AgentClient(base_url="localhost:9400")
+
+
+def test_agent_url_resolution() -> None:
+    assert (
+        resolve_agent_url(["--agent", "http://h:1"], {"KVSCOPE_AGENT_URL": "http://e:2"})
+        == "http://h:1"
+    )
+    assert resolve_agent_url(["-q", "tests"], {"KVSCOPE_AGENT_URL": "http://e:2"}) == "http://e:2"
+    assert resolve_agent_url([], {}) == "http://127.0.0.1:9400"
+
+
+def test_streamlit_command() -> None:
+    assert streamlit_command("http://127.0.0.1:9400", 8501) == [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP_PATH),
+        "--server.headless",
+        "true",
+        "--server.port",
+        "8501",
+        "--server.address",
+        "127.0.0.1",
+        "--browser.gatherUsageStats",
+        "false",
+        "--",
+        "--agent",
+        "http://127.0.0.1:9400",
+    ]
+    assert APP_PATH.is_file()
+    with pytest.raises(ValueError, match="port must be in"):
+        streamlit_command("http://x", 0)

@@ -1,0 +1,143 @@
+"""Whole system: ``kvscope up`` in a subprocess — agent, dashboard and the engine replaying the
+bundled real trace — checked through the agent's /metrics and /v1/sql and ``kvscope sql``."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+KVSCOPE = [sys.executable, "-m", "kvscope"]
+FORMS = {"full_kv", "swa_window", "linear_state"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_json_line(proc: subprocess.Popen[str], timeout: float) -> dict:
+    """The first stdout line (the --json summary), waiting at most ``timeout`` seconds."""
+    assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()  # type: ignore[union-attr]
+    try:
+        line = lines.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"no summary line within {timeout} s") from None
+    assert line, f"kvscope up exited with {proc.wait(10)} before printing a summary"
+    return json.loads(line)
+
+
+def kvscope_sql(db: Path, query: str) -> dict:
+    out = subprocess.run([*KVSCOPE, "sql", "--db", str(db), "--format", "json", query], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_up_serves_metrics_sql_and_dashboard(tmp_path: Path) -> None:
+    agent_port, dash_port = free_port(), free_port()
+    data = tmp_path / "data"
+    cmd = [
+        *KVSCOPE, "up", "--data-dir", str(data), "--agent-port", str(agent_port),
+        "--dashboard-port", str(dash_port), "--max-requests", "6", "--speed", "1000",
+        "--max-output-tokens", "2", "--json",
+    ]  # fmt: skip
+    stderr = (tmp_path / "up.stderr").open("w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        summary = read_json_line(proc, timeout=240)
+        assert summary["requests"] == 6
+        assert set(summary["forms"]) == FORMS
+        assert summary["prompt_tokens"] == summary["recoverable_tokens"] + summary["replayed_tokens"] + summary["recomputed_tokens"]
+
+        agent = f"http://127.0.0.1:{agent_port}"
+        metrics = httpx.get(agent + "/metrics", timeout=10).text
+        requests_total = [ln for ln in metrics.splitlines() if ln.startswith("kvscope_requests_total{")]
+        assert len(requests_total) == 1 and requests_total[0].endswith(" 6.0")
+        lookups = [ln for ln in metrics.splitlines() if ln.startswith("kvscope_cache_lookups_total{")]
+        assert sum(float(ln.rsplit(" ", 1)[1]) for ln in lookups) == 18.0
+        assert {f'form="{f}"' in metrics for f in FORMS} == {True}
+
+        body = httpx.post(agent + "/v1/sql", json={"sql": "SELECT count(*) AS n, sum(recoverable_tokens) AS r FROM requests"}, timeout=10).json()
+        assert body["rows"] == [[6, summary["recoverable_tokens"]]]
+        refused = httpx.post(agent + "/v1/sql", json={"sql": "DELETE FROM requests"}, timeout=10)
+        assert refused.status_code in (400, 403) and "DELETE" in refused.text
+
+        locked = subprocess.run([*KVSCOPE, "sql", "--db", str(data / "kvscope.duckdb"), "SELECT 1"], capture_output=True, text=True, timeout=60)
+        assert locked.returncode == 2 and "open in a running agent" in locked.stderr and "--agent" in locked.stderr
+
+        deadline = time.monotonic() + 90
+        while True:  # Streamlit takes a few seconds to come up
+            try:
+                health = httpx.get(f"http://127.0.0.1:{dash_port}/_stcore/health", timeout=5)
+                if health.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "dashboard never answered /_stcore/health"
+            time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    stderr.close()
+    assert code == 0, (tmp_path / "up.stderr").read_text()
+    with pytest.raises(httpx.HTTPError):  # the agent was stopped with it
+        httpx.get(f"http://127.0.0.1:{agent_port}/healthz", timeout=2)
+    stored = kvscope_sql(data / "kvscope.duckdb", "SELECT count(*) FROM requests")
+    assert stored["rows"] == [[6]]  # nothing lost on shutdown
+
+
+def test_up_exit_when_done_then_sql_on_the_file(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    cmd = [
+        *KVSCOPE, "up", "--data-dir", str(data), "--agent-port", str(free_port()), "--no-dashboard",
+        "--max-requests", "12", "--speed", "1000", "--max-output-tokens", "2", "--exit-when-done", "--json",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    db = data / "kvscope.duckdb"
+    rows = kvscope_sql(db, "SELECT form, outcome, count(*) FROM cache_lookups GROUP BY ALL ORDER BY ALL")["rows"]
+    per_form: dict[str, int] = {}
+    for form, outcome, n in rows:
+        per_form[form] = per_form.get(form, 0) + n
+        assert summary["forms"][form][outcome] == n
+    assert per_form == dict.fromkeys(FORMS, 12)
+    total = kvscope_sql(db, "SELECT sum(recoverable_tokens), sum(prompt_tokens) FROM requests")["rows"][0]
+    assert total == [summary["recoverable_tokens"], summary["prompt_tokens"]]
+
+
+def test_up_rejects_a_malformed_trace_before_starting(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{oops\n')
+    out = subprocess.run(
+        [*KVSCOPE, "up", "--trace", str(bad), "--data-dir", str(tmp_path / "d"), "--agent-port", str(free_port()), "--exit-when-done"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert f"{bad}:2: malformed JSON" in out.stderr
+    assert not (tmp_path / "d").exists()  # nothing was started
+
+
+def test_sql_on_a_locked_or_missing_file_says_what_to_do(tmp_path: Path) -> None:
+    out = subprocess.run([*KVSCOPE, "sql", "--db", str(tmp_path / "none.duckdb"), "SELECT 1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no such DuckDB file" in out.stderr

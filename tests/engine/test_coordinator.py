@@ -1,0 +1,65 @@
+"""L* as a fixed point over forms, the per-form verdicts and the request's limiting form."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.cache.coordinator import plan_resume, resume_limit
+from engine.events import Form, Outcome, Reason
+
+
+class FakeForm:
+    """A form valid exactly at the given resume points (plus 0)."""
+
+    def __init__(self, form: Form, reason: Reason, valid: set[int]) -> None:
+        self.form = form
+        self.reason = reason
+        self.valid = valid | {0}
+
+    def resume_at_most(self, hashes: Sequence[bytes], limit_tokens: int) -> int:
+        return max(v for v in self.valid if v <= limit_tokens)
+
+
+def test_resume_limit_is_strictly_before_prompt_end() -> None:
+    assert resume_limit(64, 16) == 48  # exact multiple: the last token is always computed
+    assert resume_limit(65, 16) == 64
+    assert resume_limit(1, 16) == 0
+    assert resume_limit(0, 16) == 0
+
+
+def test_fixed_point_needs_more_than_one_pass() -> None:
+    full = FakeForm(Form.FULL_KV, Reason.KV_EVICTED, {16, 32, 48, 64, 80})
+    swa = FakeForm(Form.SWA_WINDOW, Reason.SWA_EVICTED, {80, 32})  # window present at 80 and 32 only
+    lin = FakeForm(Form.LINEAR_STATE, Reason.LINEAR_CHECKPOINT_MISSING, {80, 48})
+    plan = plan_resume([full, swa, lin], [b""] * 6, prompt_tokens=100, hash_hit_tokens=80, unit_tokens=16)
+    # usable: full 80, swa 80, lin 80 → all hit at 80
+    assert plan.resume_tokens == 80 and plan.limiting_form is None
+
+    lin2 = FakeForm(Form.LINEAR_STATE, Reason.LINEAR_CHECKPOINT_MISSING, {48})
+    plan = plan_resume([full, swa, lin2], [b""] * 6, prompt_tokens=100, hash_hit_tokens=80, unit_tokens=16)
+    # linear lowers to 48; the window is not valid at 48 → 32; linear at 32 → 0 (only 48 and 0)
+    assert plan.resume_tokens == 0
+    assert plan.limiting_form == Form.LINEAR_STATE
+    assert plan.limiting_reason == Reason.LINEAR_CHECKPOINT_MISSING
+    verdicts = {f.form: (f.outcome, f.reason, f.usable_tokens, f.recoverable_tokens) for f in plan.forms}
+    assert verdicts == {
+        Form.FULL_KV: (Outcome.HIT, Reason.NONE, 80, 0),
+        Form.SWA_WINDOW: (Outcome.HIT, Reason.NONE, 80, 0),
+        Form.LINEAR_STATE: (Outcome.INVALIDATED, Reason.LINEAR_CHECKPOINT_MISSING, 48, 0),
+    }
+
+
+def test_no_hash_hit_is_a_miss_for_every_form() -> None:
+    forms = [FakeForm(Form.FULL_KV, Reason.KV_EVICTED, set()), FakeForm(Form.LINEAR_STATE, Reason.LINEAR_CHECKPOINT_MISSING, set())]
+    plan = plan_resume(forms, [], prompt_tokens=10, hash_hit_tokens=0, unit_tokens=16)
+    assert plan.resume_tokens == 0
+    assert plan.limiting_reason == Reason.NO_PREFIX_MATCH
+    assert {(f.outcome, f.reason) for f in plan.forms} == {(Outcome.MISS, Reason.NO_PREFIX_MATCH)}
+
+
+def test_whole_prompt_hit_is_capped_by_prompt_end() -> None:
+    forms = [FakeForm(Form.FULL_KV, Reason.KV_EVICTED, {16, 32, 48, 64})]
+    plan = plan_resume(forms, [b""] * 4, prompt_tokens=64, hash_hit_tokens=64, unit_tokens=16)
+    assert plan.resume_tokens == 48
+    assert plan.limiting_form is None and plan.limiting_reason == Reason.PROMPT_END
+    assert plan.forms[0].outcome == Outcome.HIT and plan.forms[0].usable_tokens == 48

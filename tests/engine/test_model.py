@@ -1,0 +1,93 @@
+"""The model's math: chunked = recurrent delta rule; prefill + decode = one long prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import PRESETS
+from engine.model.attention import attention_mask
+from engine.model.gated_deltanet import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    gated_delta_rule,
+    l2norm,
+)
+from engine.model.hybrid import HybridForCausalLM
+from tests.conftest import TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridForCausalLM:
+    m = HybridForCausalLM(PRESETS["kvscope_hybrid-tiny"])
+    m.init_random(0)
+    return m.eval()
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 500])
+def test_chunked_delta_rule_equals_recurrent(t: int) -> None:
+    g = torch.Generator().manual_seed(t)
+    h, dk, dv = 3, 16, 12
+    q = l2norm(torch.randn(t, h, dk, generator=g))
+    k = l2norm(torch.randn(t, h, dk, generator=g))
+    v = torch.randn(t, h, dv, generator=g)
+    decay = -torch.rand(t, h, generator=g)
+    beta = torch.rand(t, h, generator=g)
+    s0 = torch.randn(h, dk, dv, generator=g)
+    o_ref, s_ref = gated_delta_rule(q, k, v, decay, beta, s0)
+    o, s = chunk_gated_delta_rule(q, k, v, decay, beta, s0)
+    assert o.shape == (t, h, dv) and s.shape == (h, dk, dv)
+    assert (o - o_ref).abs().max() <= TOLERANCE[torch.float32]
+    assert (s - s_ref).abs().max() <= TOLERANCE[torch.float32]
+    assert not torch.equal(s0, s)  # the initial state is an input, not overwritten
+
+
+def test_delta_rule_state_is_composable() -> None:
+    """Running [0, a) then [a, T) from the carried state equals running [0, T)."""
+    g = torch.Generator().manual_seed(7)
+    t, h, dk, dv = 100, 2, 8, 8
+    q, k = l2norm(torch.randn(t, h, dk, generator=g)), l2norm(torch.randn(t, h, dk, generator=g))
+    v, decay, beta = torch.randn(t, h, dv, generator=g), -torch.rand(t, h, generator=g), torch.rand(t, h, generator=g)
+    zero = torch.zeros(h, dk, dv)
+    o_all, s_all = gated_delta_rule(q, k, v, decay, beta, zero)
+    o1, s1 = chunk_gated_delta_rule(q[:37], k[:37], v[:37], decay[:37], beta[:37], zero)
+    o2, s2 = chunk_gated_delta_rule(q[37:], k[37:], v[37:], decay[37:], beta[37:], s1)
+    assert (torch.cat((o1, o2)) - o_all).abs().max() <= TOLERANCE[torch.float32]
+    assert (s2 - s_all).abs().max() <= TOLERANCE[torch.float32]
+
+
+def test_causal_conv_continues_from_state() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 6, generator=g)
+    w = torch.randn(6, 4, generator=g)
+    y_all, st_all = causal_conv1d(x, w, torch.zeros(6, 3))
+    y1, st1 = causal_conv1d(x[:9], w, torch.zeros(6, 3))
+    y2, st2 = causal_conv1d(x[9:], w, st1)
+    assert torch.allclose(torch.cat((y1, y2)), y_all, atol=1e-6)
+    assert torch.equal(st2, st_all)
+    assert torch.equal(st_all, x[-3:].T)  # the state is the last K-1 inputs, oldest first
+    # y_0 only sees x_0 (zeros before): silu(w[:, -1] * x_0)
+    assert torch.allclose(y_all[0], torch.nn.functional.silu(w[:, -1] * x[0]), atol=1e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("split", [1, 50, 64, 130])
+def test_prefill_then_decode_equals_one_prefill(model: HybridForCausalLM, split: int) -> None:
+    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(split))
+    full = model(ids, torch.arange(150), model.new_dense_state())
+    state = model.new_dense_state()
+    parts = [model(ids[:split], torch.arange(split), state)]
+    for i in range(split, 150):
+        parts.append(model(ids[i : i + 1], torch.tensor([i]), state))
+    assert (torch.cat(parts) - full).abs().max() <= TOLERANCE[torch.float32]
+
+
+def test_attention_mask_window() -> None:
+    """A sliding query at p sees keys (p - W, p]; a full query sees [0, p]."""
+    q = torch.tensor([100, 101])
+    k = torch.arange(0, 102)
+    m = attention_mask(q, k, window=64)
+    assert m[0].nonzero().flatten().tolist() == list(range(37, 101))
+    assert m[1].nonzero().flatten().tolist() == list(range(38, 102))
+    full = attention_mask(q, k, window=None)
+    assert full[0].sum() == 101 and full[1].sum() == 102
