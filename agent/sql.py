@@ -24,6 +24,7 @@ import base64
 import contextlib
 import csv
 import io
+import json
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Literal
 import duckdb
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from agent.store import Store
 
@@ -107,7 +109,39 @@ def check_read_only(sql: str) -> str:
             f"only read statements (SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW) are allowed, "
             f"not {kind.name}"
         )
+    called = _function_names(sql) & SIDE_EFFECT_FUNCTIONS
+    if called:
+        raise SqlForbidden(f"function {sorted(called)[0]}() changes the database; it is not allowed here")
     return sql
+
+
+SIDE_EFFECT_FUNCTIONS = frozenset({"checkpoint", "force_checkpoint"})
+"""Functions a SELECT may call that write (they fold the WAL into the database file)."""
+
+
+def _function_names(sql: str) -> set[str]:
+    """Names of every function the statement calls, from DuckDB's own parse tree
+    (``json_serialize_sql``, on a throwaway in-memory database). Empty when DuckDB cannot
+    serialise the statement."""
+    con = duckdb.connect(":memory:")
+    try:
+        (tree,) = con.execute("SELECT json_serialize_sql($1)", [sql]).fetchall()[0]
+    except duckdb.Error:
+        return set()
+    finally:
+        con.close()
+    names: set[str] = set()
+    stack: list[object] = [json.loads(tree)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            name = node.get("function_name")
+            if isinstance(name, str):
+                names.add(name.lower())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return names
 
 
 def run_read_query(
@@ -138,6 +172,13 @@ def run_read_query(
                     raise RuntimeError("a read statement produced no relation")
                 columns = tuple(relation.columns)
                 types = tuple(str(t) for t in relation.types)
+                if "UHUGEINT" in types:  # Arrow has no unsigned 128-bit type: keep it exact as text
+                    relation = relation.project(
+                        ", ".join(
+                            f"CAST({_quote(c)} AS VARCHAR) AS {_quote(c)}" if t == "UHUGEINT" else _quote(c)
+                            for c, t in zip(columns, types, strict=True)
+                        )
+                    )
                 batches: list[pa.RecordBatch] = []
                 rows = 0
                 with relation.to_arrow_reader(_BATCH_ROWS) as reader:
@@ -168,6 +209,10 @@ def run_read_query(
         table=table.slice(0, row_limit),
         truncated=table.num_rows > row_limit,
     )
+
+
+def _quote(identifier: str) -> str:
+    return '"' + identifier.replace('"', '""') + '"'
 
 
 class _Deadline:
@@ -212,9 +257,45 @@ def render(result: ResultSet, fmt: ResultFormat) -> bytes:
 
 def rows_of(result: ResultSet) -> list[list[object]]:
     """The result's rows as lists of Python values (column order kept, duplicate names safe).
-    Intervals become ISO-8601 durations (``P1M2DT3.5S``); everything else is as Arrow gives it."""
-    columns = [[_plain(v) for v in column.to_pylist()] for column in result.table.columns]
+    Intervals become ISO-8601 durations (``P1M2DT3.5S``); dates and timestamps Python cannot
+    hold (DuckDB's ``infinity``, years past 9999) become strings; everything else is as Arrow
+    gives it."""
+    columns = [[_plain(v) for v in _pylist(column)] for column in result.table.columns]
     return [list(row) for row in zip(*columns, strict=True)] if columns else []
+
+
+def _pylist(column: pa.ChunkedArray) -> list[object]:
+    try:
+        return column.to_pylist()
+    except (OverflowError, ValueError):
+        if not pa.types.is_temporal(column.type):
+            return [_scalar_or_text(value) for value in column]
+    # DuckDB stores ±infinity as the extreme integer of the physical type
+    wide = column.type.bit_width == 64
+    storage = column.cast(pa.int64() if wide else pa.int32())
+    high = 2**63 - 1 if wide else 2**31 - 1
+    out: list[object] = []
+    for raw, value in zip(storage.to_pylist(), column, strict=True):
+        if raw is None:
+            out.append(None)
+        elif raw == high:
+            out.append("infinity")
+        elif raw == -high:
+            out.append("-infinity")
+        else:
+            out.append(_scalar_or_text(value))
+    return out
+
+
+def _scalar_or_text(value: pa.Scalar) -> object:
+    """A value as Python, or as text when Python cannot hold it (a nested date past 9999)."""
+    try:
+        return value.as_py()
+    except (OverflowError, ValueError):
+        try:
+            return str(pc.cast(value, pa.string()))
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+            return f"<{value.type} value out of Python's range>"
 
 
 def _plain(value: object) -> object:

@@ -39,6 +39,16 @@ def to_timestamp(unix_seconds: float) -> datetime:
     return datetime.fromtimestamp(unix_seconds, UTC).replace(tzinfo=None)
 
 
+def lock_holder(exc: BaseException) -> str | None:
+    """The process DuckDB names as holding a database file's lock, when ``exc`` is that conflict
+    (DuckDB allows one read-write process per file); None for any other error."""
+    marker = "Conflicting lock is held in"
+    text = str(exc)
+    if not isinstance(exc, duckdb.IOException) or marker not in text:
+        return None
+    return text.split(marker, 1)[1].split(". See also", 1)[0].strip()
+
+
 class StoreClosedError(RuntimeError):
     """The store was used after :meth:`Store.close`."""
 

@@ -11,7 +11,8 @@ APP_PATH = Path(__file__).resolve().parent / "app.py"
 
 def streamlit_command(agent_url: str, port: int, address: str = "127.0.0.1") -> list[str]:
     """``python -m streamlit run <app.py> --server.headless true --server.port P
-    --server.address A --browser.gatherUsageStats false -- --agent URL``, with this interpreter.
+    --server.address A --browser.gatherUsageStats false --client.toolbarMode minimal -- --agent
+    URL``, with this interpreter (``minimal``: an operator's page has no "Deploy" button).
 
     Raises:
         ValueError: ``port`` outside 1..65535, or an empty ``agent_url``/``address``.
@@ -36,6 +37,8 @@ def streamlit_command(agent_url: str, port: int, address: str = "127.0.0.1") -> 
         address,
         "--browser.gatherUsageStats",
         "false",
+        "--client.toolbarMode",
+        "minimal",
         "--",
         "--agent",
         agent_url,

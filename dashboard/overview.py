@@ -105,7 +105,7 @@ def live_panels(client: AgentClient, since_seconds: int, bucket_seconds: int) ->
             "series",
             "rate",
         ),
-        use_container_width=True,
+        width="stretch",
     )
     st.subheader("Prompt tokens: recoverable / replayed / recomputed")
     st.bar_chart(
@@ -118,7 +118,7 @@ def live_panels(client: AgentClient, since_seconds: int, bucket_seconds: int) ->
         st.info("No cache lookups in this window yet.")
     else:
         usable = forms.pivot(index="bucket", columns="form", values="usable_rate")
-        st.altair_chart(_lines(usable, "form", "usable rate"), use_container_width=True)
+        st.altair_chart(_lines(usable, "form", "usable rate"), width="stretch")
 
 
 def _lines(wide: pd.DataFrame, series: str, value: str) -> alt.Chart:

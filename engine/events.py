@@ -109,13 +109,20 @@ class BlockAction(enum.StrEnum):
     RESTORED = "restored"
 
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+"""Counts, ids and byte sizes: they fit a BIGINT column."""
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
+"""Token counts: at most 2⁴⁰ per event, so sums over a whole batch cannot overflow 64 bits."""
+SmallInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+"""Indices stored as INTEGER (layer group, tensor-parallel rank)."""
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+UnixSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=253_402_300_799.0)]
+"""A time as unix seconds, at most 9999-12-31T23:59:59Z (what a TIMESTAMP column holds)."""
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
 class _Event(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", kw_only=True):
-    ts: NonNegFloat
+    ts: UnixSeconds
     engine_id: Name
 
 
@@ -129,15 +136,15 @@ class CacheLookup(_Event, tag="cache_lookup", kw_only=True):
     tier: Tier
     outcome: Outcome
     reason: Reason
-    hash_hit_tokens: NonNegInt
-    usable_tokens: NonNegInt
-    recoverable_tokens: NonNegInt
-    replayed_tokens: NonNegInt = 0
+    hash_hit_tokens: Tokens
+    usable_tokens: Tokens
+    recoverable_tokens: Tokens
+    replayed_tokens: Tokens = 0
     approximate: bool = False
     recovery_seconds: NonNegFloat = 0.0
     bytes_moved: NonNegInt = 0
-    layer_group: NonNegInt = 0
-    tp_rank: NonNegInt = 0
+    layer_group: SmallInt = 0
+    tp_rank: SmallInt = 0
     epoch: NonNegInt = 0
 
 
@@ -147,13 +154,13 @@ class RequestEvent(_Event, tag="request", kw_only=True):
 
     request_id: Name
     model: Name
-    prompt_tokens: NonNegInt
-    output_tokens: NonNegInt
-    hash_hit_tokens: NonNegInt
-    resume_tokens: NonNegInt
-    recoverable_tokens: NonNegInt
-    replayed_tokens: NonNegInt
-    recomputed_tokens: NonNegInt
+    prompt_tokens: Tokens
+    output_tokens: Tokens
+    hash_hit_tokens: Tokens
+    resume_tokens: Tokens
+    recoverable_tokens: Tokens
+    replayed_tokens: Tokens
+    recomputed_tokens: Tokens
     approximate: bool = False
     limiting_form: Form | None = None
     limiting_reason: Reason = Reason.NONE
@@ -187,7 +194,7 @@ class BlockEvent(_Event, tag="block", kw_only=True):
     action: BlockAction
     block_hash: Name
     block_id: NonNegInt
-    num_tokens: NonNegInt
+    num_tokens: Tokens
 
 
 Event = CacheLookup | RequestEvent | EngineStats | BlockEvent

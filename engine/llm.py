@@ -65,7 +65,7 @@ class LLM:
     """A hybrid-attention model with a per-form prefix cache.
 
     Args:
-        model: a preset name (``kvscope_hybrid-tiny``).
+        model: a preset name (``kvscope_hybrid-tiny``) or a :class:`HybridConfig`.
         device: ``"auto"``, ``"cpu"`` or ``"cuda[:i]"``.
         cache: pool sizes and policies (defaults: :class:`CacheConfig`).
         telemetry: an agent URL (events are shipped by a :class:`TelemetryClient`), an
@@ -79,7 +79,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path = "kvscope_hybrid-tiny",
+        model: str | Path | HybridConfig = "kvscope_hybrid-tiny",
         device: str = "auto",
         cache: CacheConfig | None = None,
         telemetry: str | EventSink | None = None,
@@ -87,11 +87,15 @@ class LLM:
         engine_id: str | None = None,
         check_invariants: bool = False,
     ) -> None:
-        name = str(model)
-        if Path(name).is_dir():
-            raise ValueError(f"{name}: loading model directories is not supported yet; use a preset")
-        self.model_name = name
-        self.config: HybridConfig = resolve_preset(name)
+        if isinstance(model, HybridConfig):
+            self.config: HybridConfig = model
+            self.model_name = f"{model.model_type}@{model.revision}"
+        else:
+            name = str(model)
+            if Path(name).is_dir():
+                raise ValueError(f"{name}: loading model directories is not supported yet; use a preset")
+            self.model_name = name
+            self.config = resolve_preset(name)
         self.device = resolve_device(device)
         self.cache_config = cache or CacheConfig()
         self.engine_id = engine_id or default_engine_id()
@@ -230,14 +234,23 @@ class LLM:
 
     def _prefill(self, seq: PagedSequence, plan: ResumePlan, keep_logits: bool) -> Tensor:
         """Run ``[L*, T)`` in chunks ending at checkpoint positions; logits of the computed
-        positions (or only the last chunk's when ``keep_logits`` is False)."""
+        positions (or only the last chunk's when ``keep_logits`` is False).
+
+        Checkpoints are taken at every multiple of the checkpoint interval, at the last U
+        boundary before the prompt end, and at the junction where the matched prefix ends when
+        L* fell short of it (a sibling sharing the same prefix then resumes there: case C1).
+        """
         c = self.cache_config
         total = len(seq.token_ids)
         limit = resume_limit(total, c.unit_tokens)
         start = plan.resume_tokens
         checkpoints = {p for p in range(start + 1, limit + 1) if p % c.checkpoint_interval_tokens == 0}
         if limit > start:
-            checkpoints.add(limit)
+            checkpoints.add(limit)  # where a follow-up turn resumes
+        junction = min(plan.hash_hit_tokens, limit)
+        if junction > start:
+            checkpoints.add(junction)  # the shared prefix ends here: the next sibling resumes on it (C1)
+        seq.checkpoint_positions = frozenset(checkpoints)
         pieces: list[Tensor] = []
         while start < total:
             end = min(total, start + c.max_prefill_chunk_tokens)

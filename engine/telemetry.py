@@ -3,7 +3,8 @@
 :class:`TelemetryClient` never blocks the engine step: :meth:`~TelemetryClient.emit` puts the
 event on a bounded in-memory queue (a full queue drops the event and counts it); a background
 thread groups events into batches (by size and by age), stamps each batch with the engine id and
-a per-engine monotonic ``seq`` (DESIGN.md §5) and posts it as msgpack to ``POST /v1/events``,
+a per-engine monotonic ``seq`` (DESIGN.md §5; it starts from the wall clock in microseconds, so
+it keeps increasing across restarts of an engine that keeps its id) and posts it as msgpack to ``POST /v1/events``,
 retrying connection failures and 5xx answers with capped exponential backoff. A batch the agent
 rejects (4xx) is not retried: it is counted and logged with the agent's reason.
 """
@@ -101,7 +102,9 @@ class TelemetryClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(timeout=timeout_seconds, headers=headers)
-        self._seq = 0
+        # Batches are deduplicated on (engine_id, seq): start from the wall clock in microseconds
+        # so an engine restarted under the same id keeps seq increasing instead of repeating.
+        self._seq = time.time_ns() // 1000
         self._pending = 0
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -114,7 +117,12 @@ class TelemetryClient:
         self._thread.start()
 
     def emit(self, event: Event) -> None:
-        """Queue one event; never blocks. A full queue drops it (counted, logged)."""
+        """Queue one event; never blocks. A full queue, or a closed client, drops it (counted,
+        logged)."""
+        if self._stop.is_set():
+            self.dropped_events += 1
+            log.error("telemetry client is closed: event dropped")
+            return
         with self._cond:
             self._pending += 1
         try:

@@ -173,8 +173,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    import duckdb
+
     from agent.config import AgentConfig, ConfigError, load_config
     from agent.server import serve
+    from agent.store import lock_holder
 
     try:
         config = load_config(args.config) if args.config else AgentConfig()
@@ -192,7 +195,15 @@ def cmd_agent(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, **overrides)
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None
-    serve(config)
+    try:
+        serve(config)
+    except duckdb.IOException as exc:
+        holder = lock_holder(exc)
+        if holder is None:
+            raise
+        raise UserError(
+            f"{config.db_path} is open in another process ({holder}); stop that agent or choose another --data-dir"
+        ) from None
     return 0
 
 

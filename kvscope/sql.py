@@ -17,6 +17,7 @@ from rich.table import Table
 
 from agent.client import AgentClient
 from agent.sql import ResultSet, SqlError, check_read_only, render, rows_of
+from agent.store import lock_holder
 
 MAX_ROWS = 10_000
 
@@ -54,10 +55,10 @@ def _query_file(db: Path, query: str) -> ResultSet:
     try:
         con = duckdb.connect(str(db), read_only=True, config={"enable_external_access": False})
     except duckdb.IOException as exc:
-        if "lock" in str(exc).lower():
+        if lock_holder(exc) is not None:
             raise ValueError(
-                f"{db} is open in a running agent (DuckDB allows one writer process); "
-                "query it through the agent with --agent URL instead"
+                f"{db} is open in a running agent ({lock_holder(exc)}; DuckDB allows one writer "
+                "process); query it through the agent with --agent URL instead"
             ) from None
         raise ValueError(f"{db}: {exc}") from None
     try:

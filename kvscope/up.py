@@ -25,15 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+import duckdb
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from agent.client import AgentClient, AgentError
+from agent.store import lock_holder
 from engine.cache import CacheConfig
 from engine.llm import LLM
 from engine.outputs import RequestOutput
 from engine.telemetry import TelemetryClient
-from engine.trace.formats import TraceRequest, load_trace
+from engine.trace.formats import TraceError, TraceRequest, load_trace
 from engine.trace.replay import ReplayConfig, ReplayTally, replay
 from kvscope.data import bundled_trace
 from kvscope.services import ServiceError, ServiceGroup, port_is_free
@@ -70,23 +72,32 @@ class _RollingRate:
     def text(self) -> str:
         prompt = sum(r[0] for r in self._rows)
         if not prompt:
-            return "recoverable hit rate -"
+            return ""
         raw = sum(r[1] for r in self._rows) / prompt
         rec = sum(r[2] for r in self._rows) / prompt
-        return f"recoverable hit rate {100 * rec:5.1f}% (raw {100 * raw:5.1f}%)"
+        return f"last {len(self._rows)} requests: recoverable {100 * rec:5.1f}% (raw {100 * raw:5.1f}%)"
 
 
 def run_up(opts: UpOptions) -> int:
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     trace_path = opts.trace or bundled_trace()
     requests = load_trace(trace_path)
     if not requests:
-        err.print(f"[red]{trace_path}: the trace holds no requests[/]")
-        return 2
+        raise TraceError(f"{trace_path}: the trace holds no requests")
     for name, port in (("agent", opts.agent_port), ("dashboard", opts.dashboard_port)):
         if (name == "agent" or opts.dashboard) and not port_is_free("127.0.0.1", port):
-            err.print(f"[red]port {port} for the {name} is in use (another kvscope up?); choose --{name}-port[/]")
+            err.print(
+                f"[red]port {port} for the {name} is in use (another kvscope up?): stop it, or run "
+                f"this one with --{name}-port and its own --data-dir[/]"
+            )
             return 2
+    holder = database_holder(opts.data_dir / "kvscope.duckdb")
+    if holder is not None:
+        err.print(
+            f"[red]{opts.data_dir / 'kvscope.duckdb'} is open in another process ({holder}); "
+            "stop that agent or choose another --data-dir[/]"
+        )
+        return 2
     opts.data_dir.mkdir(parents=True, exist_ok=True)
     agent_url = f"http://127.0.0.1:{opts.agent_port}"
     stop = threading.Event()
@@ -135,6 +146,20 @@ def run_up(opts: UpOptions) -> int:
         return 1
     finally:
         services.stop_all()
+
+
+def database_holder(db: Path) -> str | None:
+    """Who holds the DuckDB file's write lock (DuckDB's own description), or None if nobody."""
+    if not db.exists():
+        return None
+    try:
+        duckdb.connect(str(db), read_only=True).close()
+    except duckdb.IOException as exc:
+        holder = lock_holder(exc)
+        if holder is None:
+            raise
+        return holder
+    return None
 
 
 def _replay_with_progress(

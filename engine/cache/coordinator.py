@@ -71,6 +71,11 @@ def plan_resume(
         hashes: the prompt's block hashes (``prompt_tokens // U`` of them).
         hash_hit_tokens: length of the longest indexed prefix (a multiple of U).
 
+    Verdicts: no hash hit → ``miss`` (``no_prefix_match``) for every form; a form that lost
+    tokens (usable < the capped hash hit) or that lowered L* during the fixed point →
+    ``invalidated`` with its reason; a matched prefix too short to leave a resume point before
+    the last token → ``invalidated`` (``prompt_end``); otherwise ``hit``.
+
     The limiting form is the one that lowered L last (None when nothing did); its reason is the
     request's ``limiting_reason``. When only the prompt end caps L*, the reason is
     ``prompt_end``; with no hash hit at all it is ``no_prefix_match``.
@@ -79,6 +84,7 @@ def plan_resume(
     usable = {f.form: f.resume_at_most(hashes, target) for f in forms}
     resume = target
     limiting: CacheForm | None = None
+    lowered_by: set[Form] = set()
     changed = True
     while changed:
         changed = False
@@ -86,16 +92,21 @@ def plan_resume(
             lowered = f.resume_at_most(hashes, resume)
             if lowered < resume:
                 resume, limiting, changed = lowered, f, True
+                lowered_by.add(f.form)
 
     verdicts = []
     for f in forms:
         u = usable[f.form]
         if hash_hit_tokens == 0:
             outcome, reason = Outcome.MISS, Reason.NO_PREFIX_MATCH
-        elif u == target:
-            outcome, reason = Outcome.HIT, Reason.NONE
-        else:
+        elif u < target or f.form in lowered_by:
+            # lost tokens itself, or vetoed a point the others offered (a window or checkpoint
+            # set valid at the hash hit but not below it)
             outcome, reason = Outcome.INVALIDATED, f.reason
+        elif target == 0:
+            outcome, reason = Outcome.INVALIDATED, Reason.PROMPT_END  # nothing before the last token
+        else:
+            outcome, reason = Outcome.HIT, Reason.NONE
         verdicts.append(
             FormLookup(form=f.form, outcome=outcome, reason=reason, usable_tokens=u, recoverable_tokens=min(u, resume))
         )

@@ -165,27 +165,33 @@ class PrefixCache:
         resume = plan.resume_tokens
         u = self.unit_tokens
         seq = PagedSequence(self, token_ids, hashes[: len(token_ids) // u], resume)
-        for form in self.kv_forms:
-            needed = form.needed_pages(resume)
-            table = [SENTINEL_BLOCK] * (resume // u)
-            for page in needed:
-                block = form.pool.lookup(hashes[page])
-                if block is None:
-                    raise RuntimeError(f"{form.form}: page {page} of the plan vanished before its lease")
-                form.pool.lease(block)
-                table[page] = block
-            seq.tables[form] = table
-            seq.released_to[form] = needed.start
-        if self.linear is not None:
-            slot = self.linear.checkpoint_at(hashes, resume)
-            if resume and slot is None:
-                raise RuntimeError(f"linear_state: checkpoint at {resume} vanished before its lease")
-            if slot is None:
-                seq.linear_states = self.linear.zero_state()
-            else:
-                self.linear.pool.lease(slot)
-                seq.linear_states = self.linear.read(slot)
-                self.linear.pool.release(slot)
+        try:
+            for form in self.kv_forms:
+                needed = form.needed_pages(resume)
+                table = seq.tables[form]
+                table.extend([SENTINEL_BLOCK] * (resume // u))
+                seq.released_to[form] = needed.start
+                for page in needed:
+                    block = form.pool.lookup(hashes[page])
+                    if block is None:
+                        raise RuntimeError(f"{form.form}: page {page} of the plan vanished before its lease")
+                    form.pool.lease(block)
+                    table[page] = block
+            if self.linear is not None:
+                slot = self.linear.checkpoint_at(hashes, resume)
+                if resume and slot is None:
+                    raise RuntimeError(f"linear_state: checkpoint at {resume} vanished before its lease")
+                if slot is None:
+                    seq.linear_states = self.linear.zero_state()
+                else:
+                    self.linear.pool.lease(slot)
+                    try:
+                        seq.linear_states = self.linear.read(slot)
+                    finally:
+                        self.linear.pool.release(slot)
+        except BaseException:
+            seq.finish()  # give back the leases taken so far
+            raise
         return seq
 
     def form_epoch(self, seq: PagedSequence, form: CacheForm, resume_tokens: int) -> int:
@@ -202,10 +208,13 @@ class PrefixCache:
     def save_checkpoint(self, h: BlockHash, states: dict[int, LinearLayerState]) -> bool:
         """Store a copy of the recurrent state summarising the prefix named by ``h``.
 
-        Returns False when a checkpoint of that prefix already exists or every slot is leased.
+        Returns whether a checkpoint of that prefix exists afterwards (stored now or before);
+        False when the model has no linear layers or every slot is leased.
         """
-        if self.linear is None or self.linear.pool.lookup(h) is not None:
+        if self.linear is None:
             return False
+        if self.linear.pool.lookup(h) is not None:
+            return True
         try:
             slot = self.linear.pool.allocate()
         except PoolExhausted:

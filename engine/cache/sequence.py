@@ -13,8 +13,10 @@ Life of a request (all on one thread; the runtime issue adds batching):
 3. :meth:`finish` releases every lease (full-KV pages tail first, so prefixes outlive their
    tails; window pages head first, so each boundary's window tail is evicted last).
 
-Window watermark (case C7): sliding pages are kept for ``[min(end, last checkpoint) − W + 1,
-end)``, so the window behind the last usable checkpoint stays intact while the request decodes.
+Window watermark (case C7): sliding pages are kept for ``[anchor − W + 1, end)`` where the anchor
+is the last point a later request could resume at (the last stored checkpoint for models with
+linear layers), so the window behind the last usable checkpoint stays intact while the request
+decodes.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class PagedSequence:
         self.published_pages = resume_tokens // self.unit_tokens
         self.released_to: dict[PagedKVForm, int] = {f: 0 for f in cache.kv_forms}
         self.linear_states: dict[int, LinearLayerState] = {}
+        self.checkpoint_positions: frozenset[int] = frozenset()
+        """Where this request stores recurrent checkpoints (set before its prefill)."""
         self._chunk: dict[PagedKVForm, _ChunkPages] = {}
         self._chunk_positions: Tensor | None = None
         self.finished = False
@@ -125,10 +129,9 @@ class PagedSequence:
         if self.cache.config.enable_prefix_caching:
             for page in range(self.published_pages, full_pages):
                 for form, table in self.tables.items():
-                    if table[page] != SENTINEL_BLOCK:
+                    if table[page] != SENTINEL_BLOCK and self._page_backs_a_resume_point(form, page):
                         form.pool.publish(table[page], self.hashes[page])
-            if take_checkpoint and end % u == 0:
-                self.cache.save_checkpoint(self.hashes[end // u - 1], self.linear_states)
+            if take_checkpoint and end % u == 0 and self.cache.save_checkpoint(self.hashes[end // u - 1], self.linear_states):
                 self.last_checkpoint = end
         self.published_pages = max(self.published_pages, full_pages)
         self._trim_windows()
@@ -137,9 +140,28 @@ class PagedSequence:
         """Extend the sequence by one generated token (decode)."""
         self.token_ids.append(token_id)
 
+    def _page_backs_a_resume_point(self, form: PagedKVForm, page: int) -> bool:
+        """Store rule of the window form, the same predicate as its lookup rule: with linear
+        layers a resume point needs a checkpoint, so a window page is worth publishing only if it
+        lies in the window before one of this request's checkpoint positions (case C12). A page
+        that backs nothing is returned unpublished and reused first."""
+        if form.window is None or self.cache.linear is None:
+            return True
+        return any(form.needed_pages(c).start <= page < c // self.unit_tokens for c in self.checkpoint_positions)
+
+    def resume_anchor(self) -> int:
+        """The latest position at which a future request could resume on this request's state:
+        the last stored recurrent checkpoint when the model has linear layers, else the last U
+        boundary; with prefix caching off, nothing is kept for later (the current position)."""
+        if not self.cache.config.enable_prefix_caching:
+            return self.num_computed
+        if self.cache.linear is None:
+            return self.num_computed - self.num_computed % self.unit_tokens
+        return min(self.last_checkpoint, self.num_computed)
+
     def _trim_windows(self) -> None:
         u = self.unit_tokens
-        anchor = min(self.num_computed, self.last_checkpoint)
+        anchor = self.resume_anchor()
         for form, table in self.tables.items():
             if form.window is None:
                 continue
@@ -151,14 +173,24 @@ class PagedSequence:
             self.released_to[form] = max(self.released_to[form], keep_from // u)
 
     def finish(self) -> None:
-        """Release every lease; idempotent. Pages the request did not publish become free."""
+        """Release every lease; idempotent. Pages the request did not publish become free.
+
+        Release order decides eviction order (the first released is evicted first): full-KV
+        pages tail first, so a prefix outlives its tail; window pages past the resume anchor
+        first (no resume point can use them), then the rest oldest first, so the window behind
+        the anchor is evicted last (cases C5 and C7).
+        """
         if self.finished:
             return
         self.finished = True
+        anchor_page = self.resume_anchor() // self.unit_tokens
         for form, table in self.tables.items():
-            pages = [p for p in table if p != SENTINEL_BLOCK]
-            order = pages if form.window is not None else list(reversed(pages))
+            if form.window is None:
+                order = list(reversed(table))
+            else:
+                order = table[anchor_page:] + table[:anchor_page]
             for page in order:
-                form.pool.release(page)
+                if page != SENTINEL_BLOCK:
+                    form.pool.release(page)
             table.clear()
         self.linear_states.clear()

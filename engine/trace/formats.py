@@ -16,6 +16,7 @@ namespace for Mooncake) so that local ids of different sessions never collide.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,8 @@ def _field(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any
     if isinstance(value, bool) or not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise TraceError(f"{where}: field {key!r} must be {names}, got {value!r:.80}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TraceError(f"{where}: field {key!r} must be a finite number, got {value}")
     if isinstance(value, (int, float)) and value < 0:
         raise TraceError(f"{where}: field {key!r} must be >= 0, got {value}")
     return value

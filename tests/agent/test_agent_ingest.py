@@ -176,7 +176,7 @@ MALFORMED: list[tuple[str, Any, str, str]] = [
         "integer past its column",
         lambda b: json_body(batch(2, _with(known_events(b), 4, layer_group=2**31))),
         "$.events[4].layer_group",
-        "exceeds 2147483647",
+        "<= 2147483647",
     ),
     (
         "bad json",

@@ -184,6 +184,8 @@ def test_streamlit_command() -> None:
         "127.0.0.1",
         "--browser.gatherUsageStats",
         "false",
+        "--client.toolbarMode",
+        "minimal",
         "--",
         "--agent",
         "http://127.0.0.1:9400",

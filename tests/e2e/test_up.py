@@ -79,6 +79,14 @@ def test_up_serves_metrics_sql_and_dashboard(tmp_path: Path) -> None:
         locked = subprocess.run([*KVSCOPE, "sql", "--db", str(data / "kvscope.duckdb"), "SELECT 1"], capture_output=True, text=True, timeout=60)
         assert locked.returncode == 2 and "open in a running agent" in locked.stderr and "--agent" in locked.stderr
 
+        second = subprocess.run(
+            [*KVSCOPE, "up", "--data-dir", str(data), "--agent-port", str(free_port()), "--no-dashboard", "--max-requests", "1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 2 and "is open in another process" in second.stderr and "--data-dir" in second.stderr
+
         deadline = time.monotonic() + 90
         while True:  # Streamlit takes a few seconds to come up
             try:

@@ -44,7 +44,7 @@ def test_fixed_point_needs_more_than_one_pass() -> None:
     verdicts = {f.form: (f.outcome, f.reason, f.usable_tokens, f.recoverable_tokens) for f in plan.forms}
     assert verdicts == {
         Form.FULL_KV: (Outcome.HIT, Reason.NONE, 80, 0),
-        Form.SWA_WINDOW: (Outcome.HIT, Reason.NONE, 80, 0),
+        Form.SWA_WINDOW: (Outcome.INVALIDATED, Reason.SWA_EVICTED, 80, 0),  # it vetoed 48
         Form.LINEAR_STATE: (Outcome.INVALIDATED, Reason.LINEAR_CHECKPOINT_MISSING, 48, 0),
     }
 
@@ -63,3 +63,16 @@ def test_whole_prompt_hit_is_capped_by_prompt_end() -> None:
     assert plan.resume_tokens == 48
     assert plan.limiting_form is None and plan.limiting_reason == Reason.PROMPT_END
     assert plan.forms[0].outcome == Outcome.HIT and plan.forms[0].usable_tokens == 48
+
+
+def test_matched_prefix_shorter_than_one_resume_point_is_not_a_hit() -> None:
+    """A 16-token prompt sent twice: the hash hit is the whole prompt, but no resume point lies
+    strictly before its last token, so nothing is reusable — ``prompt_end``, not ``hit``."""
+    forms = [FakeForm(Form.FULL_KV, Reason.KV_EVICTED, {16})]
+    plan = plan_resume(forms, [b""], prompt_tokens=16, hash_hit_tokens=16, unit_tokens=16)
+    assert plan.resume_tokens == 0 and plan.limiting_reason == Reason.PROMPT_END
+    assert (plan.forms[0].outcome, plan.forms[0].reason, plan.forms[0].usable_tokens) == (
+        Outcome.INVALIDATED,
+        Reason.PROMPT_END,
+        0,
+    )

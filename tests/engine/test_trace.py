@@ -69,6 +69,7 @@ def test_real_weka_and_mooncake_traces_load(shared_data: Path) -> None:
         ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, "x"]}', r"hash_ids\[1\] must be an integer"),
         ('{"timestamp": -5, "input_length": 10, "output_length": 1, "hash_ids": []}', "must be >= 0"),
         ("[1, 2]", "expected a JSON object"),
+        ('{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": []}', "must be a finite number"),
     ],
 )
 def test_malformed_trace_line_names_file_and_line(tmp_path: Path, line: str, message: str) -> None:
