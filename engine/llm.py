@@ -24,7 +24,7 @@ from engine.cache import CacheConfig, PrefixCache
 from engine.cache.coordinator import ResumePlan, resume_limit
 from engine.cache.sequence import PagedSequence
 from engine.config import HybridConfig, resolve_preset
-from engine.events import Admission, CacheLookup, EngineStats, RequestEvent, Tier
+from engine.events import Admission, CacheLookup, EngineStats, Form, RequestEvent, Tier
 from engine.model.hybrid import HybridForCausalLM
 from engine.outputs import CacheReport, RequestOutput, ScoreOutput
 from engine.sampling import Sampler, SamplingParams
@@ -283,7 +283,7 @@ class LLM:
         output_tokens: int,
         ttft: float,
         e2e: float,
-        epochs: dict,
+        epochs: dict[Form, int],
     ) -> None:
         for f in report.forms:
             self.sink.emit(
