@@ -17,6 +17,9 @@ Contract:
 
 from __future__ import annotations
 
+import enum
+import types
+import typing
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -54,97 +57,46 @@ class _TableSpec:
         return ", ".join(name for name, _ in self.columns)
 
 
-_COMMON_TOKENS = (
-    ("hash_hit_tokens", pa.int64()),
-    ("usable_tokens", pa.int64()),
-    ("recoverable_tokens", pa.int64()),
-    ("replayed_tokens", pa.int64()),
-)
-
-TABLE_SPECS: dict[type[Event], _TableSpec] = {
-    CacheLookup: _TableSpec(
-        "cache_lookup",
-        "cache_lookups",
-        (
-            ("ts", _TS),
-            ("engine_id", pa.string()),
-            ("request_id", pa.string()),
-            ("model", pa.string()),
-            ("form", pa.string()),
-            ("tier", pa.string()),
-            ("outcome", pa.string()),
-            ("reason", pa.string()),
-            *_COMMON_TOKENS,
-            ("approximate", pa.bool_()),
-            ("recovery_seconds", pa.float64()),
-            ("bytes_moved", pa.int64()),
-            ("layer_group", pa.int32()),
-            ("tp_rank", pa.int32()),
-            ("epoch", pa.int64()),
-            ("ingested_at", _TS),
-        ),
-    ),
-    RequestEvent: _TableSpec(
-        "request",
-        "requests",
-        (
-            ("ts", _TS),
-            ("engine_id", pa.string()),
-            ("request_id", pa.string()),
-            ("model", pa.string()),
-            ("prompt_tokens", pa.int64()),
-            ("output_tokens", pa.int64()),
-            ("hash_hit_tokens", pa.int64()),
-            ("resume_tokens", pa.int64()),
-            ("recoverable_tokens", pa.int64()),
-            ("replayed_tokens", pa.int64()),
-            ("recomputed_tokens", pa.int64()),
-            ("approximate", pa.bool_()),
-            ("limiting_form", pa.string()),
-            ("limiting_reason", pa.string()),
-            ("admission", pa.string()),
-            ("ttft_seconds", pa.float64()),
-            ("e2e_seconds", pa.float64()),
-            ("ingested_at", _TS),
-        ),
-    ),
-    EngineStats: _TableSpec(
-        "engine_stats",
-        "engine_stats",
-        (
-            ("ts", _TS),
-            ("engine_id", pa.string()),
-            ("model", pa.string()),
-            ("form", pa.string()),
-            ("tier", pa.string()),
-            ("used_bytes", pa.int64()),
-            ("used_blocks", pa.int64()),
-            ("cached_blocks", pa.int64()),
-            ("free_blocks", pa.int64()),
-            ("total_blocks", pa.int64()),
-            ("running_requests", pa.int64()),
-            ("waiting_requests", pa.int64()),
-            ("recoveries_in_flight", pa.int64()),
-            ("ingested_at", _TS),
-        ),
-    ),
-    BlockEvent: _TableSpec(
-        "block",
-        "block_events",
-        (
-            ("ts", _TS),
-            ("engine_id", pa.string()),
-            ("model", pa.string()),
-            ("form", pa.string()),
-            ("tier", pa.string()),
-            ("action", pa.string()),
-            ("block_hash", pa.string()),
-            ("block_id", pa.int64()),
-            ("num_tokens", pa.int64()),
-            ("ingested_at", _TS),
-        ),
-    ),
+TABLE_OF_KIND = {
+    "cache_lookup": "cache_lookups",
+    "request": "requests",
+    "engine_stats": "engine_stats",
+    "block": "block_events",
 }
+"""Event kind (the ``kind`` tag) → the table its events go to."""
+
+
+def _arrow_type(name: str, hint: object) -> pa.DataType:
+    """The column type of one event field, read off its annotation in ``engine.events``."""
+    if name == "ts":
+        return _TS
+    base: object = hint
+    metas: tuple[object, ...] = ()
+    if typing.get_origin(hint) is typing.Annotated:
+        base, *rest = typing.get_args(hint)
+        metas = tuple(rest)
+    if base is bool:
+        return pa.bool_()
+    if base is int:
+        small = any(getattr(m, "le", None) == 2**31 - 1 for m in metas)
+        return pa.int32() if small else pa.int64()
+    if base is float:
+        return pa.float64()
+    options = typing.get_args(base) if isinstance(base, types.UnionType) else (base,)
+    if all(o is str or o is type(None) or (isinstance(o, type) and issubclass(o, enum.StrEnum)) for o in options):
+        return pa.string()
+    raise TypeError(f"event field {name}: no column type for {hint!r}")
+
+
+def _spec(cls: type[msgspec.Struct]) -> _TableSpec:
+    kind = cls.__struct_config__.tag
+    assert isinstance(kind, str)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    columns = tuple((f.name, _arrow_type(f.name, hints[f.name])) for f in msgspec.structs.fields(cls))
+    return _TableSpec(kind, TABLE_OF_KIND[kind], (*columns, ("ingested_at", _TS)))
+
+
+TABLE_SPECS: dict[type[Event], _TableSpec] = {cls: _spec(cls) for cls in (CacheLookup, RequestEvent, EngineStats, BlockEvent)}
 """Event class → its table. Keys of :func:`build_tables`'s result are the ``table`` names."""
 
 

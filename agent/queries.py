@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from types import MappingProxyType
 
 import duckdb
 
@@ -306,17 +307,19 @@ ALERTS_RECENT = NamedQuery(
     columns=("ts", "alert", "fingerprint", "state", "value", "labels", "summary", "description"),
 )
 
-NAMED_QUERIES: dict[str, NamedQuery] = {
-    q.name: q
-    for q in (
-        TOTALS,
-        FORM_OUTCOMES,
-        HIT_RATE_TIMESERIES,
-        FORM_USABLE_TIMESERIES,
-        RECENT_REQUESTS,
-        ALERTS_RECENT,
-    )
-}
+NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
+    {
+        q.name: q
+        for q in (
+            TOTALS,
+            FORM_OUTCOMES,
+            HIT_RATE_TIMESERIES,
+            FORM_USABLE_TIMESERIES,
+            RECENT_REQUESTS,
+            ALERTS_RECENT,
+        )
+    }
+)
 """Every named query, by name."""
 
 

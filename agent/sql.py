@@ -109,29 +109,37 @@ def check_read_only(sql: str) -> str:
             f"only read statements (SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW) are allowed, "
             f"not {kind.name}"
         )
-    called = _function_names(sql) & SIDE_EFFECT_FUNCTIONS
+    called = _function_names(sql) & FORBIDDEN_FUNCTIONS
     if called:
-        raise SqlForbidden(f"function {sorted(called)[0]}() changes the database; it is not allowed here")
+        raise SqlForbidden(f"function {sorted(called)[0]}() is not allowed here (it can write or run other SQL)")
     return sql
 
 
-SIDE_EFFECT_FUNCTIONS = frozenset({"checkpoint", "force_checkpoint"})
-"""Functions a SELECT may call that write (they fold the WAL into the database file)."""
+FORBIDDEN_FUNCTIONS = frozenset({"checkpoint", "force_checkpoint", "query", "query_table"})
+"""Functions a SELECT may call that write (``checkpoint`` folds the WAL into the file) or that
+run SQL given as a string (which this check could not see)."""
 
 
 def _function_names(sql: str) -> set[str]:
     """Names of every function the statement calls, from DuckDB's own parse tree
-    (``json_serialize_sql``, on a throwaway in-memory database). Empty when DuckDB cannot
-    serialise the statement."""
+    (``json_serialize_sql``, on a throwaway in-memory database).
+
+    Raises:
+        SqlForbidden: DuckDB cannot serialise the statement, so it cannot be checked.
+    """
     con = duckdb.connect(":memory:")
     try:
-        (tree,) = con.execute("SELECT json_serialize_sql($1)", [sql]).fetchall()[0]
-    except duckdb.Error:
-        return set()
+        (text,) = con.execute("SELECT json_serialize_sql($1)", [sql]).fetchall()[0]
     finally:
         con.close()
+    tree = json.loads(text)
+    if tree.get("error"):
+        raise SqlForbidden(
+            f"this statement cannot be checked ({tree.get('error_message', 'not serialisable')}); "
+            "write it as a plain SELECT"
+        )
     names: set[str] = set()
-    stack: list[object] = [json.loads(tree)]
+    stack: list[object] = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
@@ -153,55 +161,70 @@ def run_read_query(
     timeout_seconds: float,
 ) -> ResultSet:
     """Run one SELECT (already admitted by :func:`check_read_only`, or a trusted named query)
-    with ``$name`` parameters, in a read-only transaction on a fresh cursor.
+    with ``$name`` parameters on a fresh cursor of the store; see :func:`run_on_connection`."""
+    with store.cursor() as cur:
+        return run_on_connection(cur, sql, parameters, row_limit=row_limit, timeout_seconds=timeout_seconds)
+
+
+def run_on_connection(
+    cur: duckdb.DuckDBPyConnection,
+    sql: str,
+    parameters: Mapping[str, object] | None = None,
+    *,
+    row_limit: int,
+    timeout_seconds: float,
+) -> ResultSet:
+    """Run one admitted SELECT on ``cur`` (a connection or cursor used by this thread only) in a
+    read-only transaction that is rolled back, fetching at most ``row_limit`` rows and
+    interrupting it after ``timeout_seconds``.
 
     Raises:
         SqlError: DuckDB rejected or failed the query (its message; permission errors included).
         SqlTimeout: the query was interrupted after ``timeout_seconds``.
+        ValueError: ``row_limit`` below 1.
     """
     if row_limit < 1:
         raise ValueError(f"row_limit must be >= 1, got {row_limit}")
-    with store.cursor() as cur:
-        guard = _Deadline(cur, timeout_seconds)
-        cur.execute("BEGIN TRANSACTION READ ONLY")
+    guard = _Deadline(cur, timeout_seconds)
+    cur.execute("BEGIN TRANSACTION READ ONLY")
+    try:
+        guard.start()
         try:
-            guard.start()
-            try:
-                relation = cur.sql(sql, params=dict(parameters) if parameters else None)
-                if relation is None:  # a SELECT always yields a relation; be loud if not
-                    raise RuntimeError("a read statement produced no relation")
-                columns = tuple(relation.columns)
-                types = tuple(str(t) for t in relation.types)
-                if "UHUGEINT" in types:  # Arrow has no unsigned 128-bit type: keep it exact as text
-                    relation = relation.project(
-                        ", ".join(
-                            f"CAST({_quote(c)} AS VARCHAR) AS {_quote(c)}" if t == "UHUGEINT" else _quote(c)
-                            for c, t in zip(columns, types, strict=True)
-                        )
+            relation = cur.sql(sql, params=dict(parameters) if parameters else None)
+            if relation is None:  # a SELECT always yields a relation; be loud if not
+                raise RuntimeError("a read statement produced no relation")
+            columns = tuple(relation.columns)
+            types = tuple(str(t) for t in relation.types)
+            if "UHUGEINT" in types:  # Arrow has no unsigned 128-bit type: keep it exact as text
+                relation = relation.project(
+                    ", ".join(
+                        f"CAST({_quote(c)} AS VARCHAR) AS {_quote(c)}" if t == "UHUGEINT" else _quote(c)
+                        for c, t in zip(columns, types, strict=True)
                     )
-                batches: list[pa.RecordBatch] = []
-                rows = 0
-                with relation.to_arrow_reader(_BATCH_ROWS) as reader:
-                    for batch in reader:
-                        batches.append(batch)
-                        rows += batch.num_rows
-                        if rows > row_limit:
-                            break
-                    schema = reader.schema
-            finally:
-                guard.stop()
-        except duckdb.InterruptException:
-            if guard.fired:
-                raise SqlTimeout(
-                    f"query exceeded the time limit of {timeout_seconds:g} s and was interrupted"
-                ) from None
-            raise
-        except duckdb.Error as exc:
-            raise SqlError(str(exc)) from None
+                )
+            batches: list[pa.RecordBatch] = []
+            rows = 0
+            with relation.to_arrow_reader(_BATCH_ROWS) as reader:
+                for batch in reader:
+                    batches.append(batch)
+                    rows += batch.num_rows
+                    if rows > row_limit:
+                        break
+                schema = reader.schema
         finally:
-            # Closing the cursor would discard the transaction anyway; never mask the error.
-            with contextlib.suppress(duckdb.Error):
-                cur.execute("ROLLBACK")
+            guard.stop()
+    except duckdb.InterruptException:
+        if guard.fired:
+            raise SqlTimeout(
+                f"query exceeded the time limit of {timeout_seconds:g} s and was interrupted"
+            ) from None
+        raise
+    except duckdb.Error as exc:
+        raise SqlError(str(exc)) from None
+    finally:
+        # Closing the cursor would discard the transaction anyway; never mask the error.
+        with contextlib.suppress(duckdb.Error):
+            cur.execute("ROLLBACK")
     table = pa.Table.from_batches(batches, schema=schema)
     return ResultSet(
         columns=columns,

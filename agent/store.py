@@ -49,6 +49,11 @@ def lock_holder(exc: BaseException) -> str | None:
     return text.split(marker, 1)[1].split(". See also", 1)[0].strip()
 
 
+class SchemaTooNewError(RuntimeError):
+    """The database was written by a newer agent; this one cannot use it (a user can fix this by
+    upgrading, or by pointing at another data directory)."""
+
+
 class StoreClosedError(RuntimeError):
     """The store was used after :meth:`Store.close`."""
 
@@ -80,7 +85,7 @@ class Store:
         Raises:
             duckdb.Error: the file cannot be opened (for example another process holds it) or a
                 migration fails (that migration is rolled back, the file keeps the earlier ones).
-            RuntimeError: the file has a schema version newer than this code knows.
+            SchemaTooNewError: the file has a schema version newer than this code knows.
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +173,7 @@ def _migrate(con: duckdb.DuckDBPyConnection, migrations: tuple[Migration, ...]) 
         "SELECT coalesce(max(version), 0) FROM schema_migrations"
     ).fetchall()
     if current > len(migrations):
-        raise RuntimeError(
+        raise SchemaTooNewError(
             f"database schema version {current} is newer than this agent's "
             f"{len(migrations)}; upgrade kvscope"
         )

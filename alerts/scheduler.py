@@ -130,7 +130,8 @@ def persist(store: Store, notifications: Sequence[Notification]) -> None:
     with store.transaction() as cur:
         cur.register("_new_alerts", table)
         try:
-            cur.execute("INSERT INTO alerts SELECT * FROM _new_alerts")
+            columns = ", ".join(_ALERT_COLUMNS.names)
+            cur.execute(f"INSERT INTO alerts ({columns}) SELECT {columns} FROM _new_alerts")
         finally:
             cur.unregister("_new_alerts")
 

@@ -6,8 +6,9 @@ A config names its layer kinds the way the transformers configs of the models th
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 
@@ -96,13 +97,12 @@ class HybridConfig:
         """Indices of the layers of one kind, in model order."""
         return tuple(i for i, k in enumerate(self.layer_types) if k == kind)
 
-    def replace(self, **changes: object) -> HybridConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
-
-PRESETS: dict[str, HybridConfig] = {
-    "kvscope_hybrid-tiny": HybridConfig(),
-}
+PRESETS: Mapping[str, HybridConfig] = MappingProxyType(
+    {
+        "kvscope_hybrid-tiny": HybridConfig(),
+    }
+)
 """Named presets; ``engine.LLM(model=NAME)`` accepts these names."""
 
 

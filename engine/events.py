@@ -210,14 +210,6 @@ class EventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     events: list[Event]
 
 
-EVENT_KINDS: dict[str, type[msgspec.Struct]] = {
-    "cache_lookup": CacheLookup,
-    "request": RequestEvent,
-    "engine_stats": EngineStats,
-    "block": BlockEvent,
-}
-
-
 class EventError(ValueError):
     """A batch that breaks the contract. ``path`` names the field (``$.events[3].form``)."""
 
@@ -303,10 +295,3 @@ def encode_batch(batch: EventBatch, fmt: ContentFormat = "json") -> bytes:
     """Serialise a batch for ``POST /v1/events`` (content type ``application/json`` or
     ``application/msgpack``)."""
     return (_json_encoder if fmt == "json" else _msgpack_encoder).encode(batch)
-
-
-def to_builtins(event: Event) -> dict[str, object]:
-    """The event as a plain dict including its ``kind`` (for Arrow conversion)."""
-    out = msgspec.to_builtins(event)
-    assert isinstance(out, dict)
-    return out

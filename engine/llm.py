@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from engine.cache import CacheConfig, PrefixCache
-from engine.cache.coordinator import ResumePlan, resume_limit
 from engine.cache.sequence import PagedSequence
 from engine.config import HybridConfig, resolve_preset
 from engine.events import Admission, CacheLookup, EngineStats, Form, RequestEvent, Tier
@@ -104,7 +103,6 @@ class LLM:
         self.model = HybridForCausalLM(self.config)
         self.model.init_random(self.config.seed)
         self.model.to(self.device).eval()
-        self._check_fits(prompt_tokens=1, max_tokens=0)
         self.cache = PrefixCache(
             self.config,
             self.cache_config,
@@ -113,6 +111,7 @@ class LLM:
             torch.float32,
             self.model.linear_state_shapes(),
         )
+        self._check_fits(prompt_tokens=1, max_tokens=0)
         self.cache.log_plan()
         self.sink: EventSink
         if telemetry is None:
@@ -180,9 +179,9 @@ class LLM:
             )
         return outputs
 
-    def close(self, timeout: float | None = 30.0) -> None:
+    def close(self, timeout_seconds: float | None = 30.0) -> None:
         """Flush and stop the telemetry sink."""
-        self.sink.close(timeout)
+        self.sink.close(timeout_seconds)
 
     def __enter__(self) -> LLM:
         return self
@@ -201,7 +200,7 @@ class LLM:
         seq = self.cache.start(plan, token_ids, hashes)
         try:
             epochs = {f.form: self.cache.form_epoch(seq, f, plan.resume_tokens) for f in self.cache.forms}
-            logits = self._prefill(seq, plan, keep_logits)
+            logits = self._prefill(seq, keep_logits)
             last = logits[-1]
             sampler = Sampler(params)
             outputs: list[int] = []
@@ -219,47 +218,22 @@ class LLM:
             if self.check_invariants:
                 self.cache.check_invariants()
         e2e = time.perf_counter() - t0
-        report = CacheReport(
-            prompt_tokens=len(token_ids),
-            hash_hit_tokens=plan.hash_hit_tokens,
-            resume_tokens=plan.resume_tokens,
-            limiting_form=plan.limiting_form,
-            limiting_reason=plan.limiting_reason,
-            admission=Admission.EXACT if plan.resume_tokens else Admission.COLD,
-            approximate=False,
-            forms=plan.forms,
-        )
+        report = CacheReport(plan=plan, admission=Admission.EXACT if plan.resume_tokens else Admission.COLD)
         self._emit_request(request_id, arrival_wall, report, len(outputs), ttft, e2e, epochs)
         return _RunResult(logits if keep_logits else None, last, outputs, report, ttft, e2e)
 
-    def _prefill(self, seq: PagedSequence, plan: ResumePlan, keep_logits: bool) -> Tensor:
-        """Run ``[L*, T)`` in chunks ending at checkpoint positions; logits of the computed
-        positions (or only the last chunk's when ``keep_logits`` is False).
-
-        Checkpoints are taken at every multiple of the checkpoint interval, at the last U
-        boundary before the prompt end, and at the junction where the matched prefix ends when
-        L* fell short of it (a sibling sharing the same prefix then resumes there: case C1).
-        """
-        c = self.cache_config
+    def _prefill(self, seq: PagedSequence, keep_logits: bool) -> Tensor:
+        """Run ``[L*, T)`` in chunks of at most ``max_prefill_chunk_tokens`` that end at the
+        sequence's checkpoint positions; logits of the computed positions (or only the last
+        chunk's when ``keep_logits`` is False)."""
         total = len(seq.token_ids)
-        limit = resume_limit(total, c.unit_tokens)
-        start = plan.resume_tokens
-        checkpoints = {p for p in range(start + 1, limit + 1) if p % c.checkpoint_interval_tokens == 0}
-        if limit > start:
-            checkpoints.add(limit)  # where a follow-up turn resumes
-        junction = min(plan.hash_hit_tokens, limit)
-        if junction > start:
-            checkpoints.add(junction)  # the shared prefix ends here: the next sibling resumes on it (C1)
-        seq.checkpoint_positions = frozenset(checkpoints)
+        start = seq.num_computed_tokens
         pieces: list[Tensor] = []
         while start < total:
-            end = min(total, start + c.max_prefill_chunk_tokens)
-            later = [p for p in checkpoints if start < p < end]
-            if later:
-                end = min(later)
+            end = min([total, start + self.cache_config.max_prefill_chunk_tokens, *(p for p in seq.checkpoint_positions if p > start)])
             positions = seq.begin_chunk(end)
             logits = self.model(self._ids(seq.token_ids[start:end]), positions, seq)
-            seq.commit(end, take_checkpoint=end in checkpoints)
+            seq.commit(end, take_checkpoint=end in seq.checkpoint_positions)
             if self.check_invariants:
                 self.cache.check_invariants()
             pieces.append(logits if keep_logits else logits[-1:])
@@ -313,7 +287,7 @@ class LLM:
                 hash_hit_tokens=report.hash_hit_tokens,
                 resume_tokens=report.resume_tokens,
                 recoverable_tokens=report.recoverable_tokens,
-                replayed_tokens=0,
+                replayed_tokens=report.replayed_tokens,
                 recomputed_tokens=report.recomputed_tokens,
                 approximate=report.approximate,
                 limiting_form=report.limiting_form,
@@ -372,9 +346,7 @@ class LLM:
                 f"a request of {prompt_tokens} prompt + {max_tokens} output tokens needs {pages} full_kv "
                 f"pages; the pool has {c.full_kv_blocks - 1} (raise CacheConfig.full_kv_blocks)"
             )
-        # a request holds the window behind its last checkpoint, one chunk and its output
-        span = self.config.sliding_window + c.max_prefill_chunk_tokens + c.checkpoint_interval_tokens + max_tokens
-        window_pages = -(-span // c.unit_tokens) + 2
+        window_pages = self.cache.window_pages_needed(self.config.sliding_window, max_tokens)
         if "sliding_attention" in self.config.layer_types and window_pages > c.swa_blocks - 1:
             raise RequestTooLarge(
                 f"a request generating {max_tokens} tokens may hold {window_pages} swa_window pages; "

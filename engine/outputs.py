@@ -6,40 +6,59 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from engine.cache.coordinator import FormLookup
+from engine.cache.coordinator import FormLookup, ResumePlan
 from engine.events import Admission, Form, Reason
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CacheReport:
-    """How the prefix cache served one request.
+    """How the prefix cache served one request: the lookup's plan (L*, every form's verdict)
+    and the path that ran.
 
-    ``resume_tokens`` is L*; every prompt token is either recoverable (< L*) or recomputed.
-    ``forms`` holds each form's outcome, usable tokens and reason.
+    Token split (DESIGN.md §3): ``prompt_tokens = recoverable_tokens + replayed_tokens +
+    recomputed_tokens`` with recoverable = L* − replayed and recomputed = T − L*.
     """
 
-    prompt_tokens: int
-    hash_hit_tokens: int
-    resume_tokens: int
-    limiting_form: Form | None
-    limiting_reason: Reason
+    plan: ResumePlan
     admission: Admission
-    approximate: bool
-    forms: tuple[FormLookup, ...]
+    approximate: bool = False
+    replayed_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.plan.prompt_tokens
+
+    @property
+    def hash_hit_tokens(self) -> int:
+        return self.plan.hash_hit_tokens
+
+    @property
+    def resume_tokens(self) -> int:
+        """L*: the prompt tokens not computed as new."""
+        return self.plan.resume_tokens
+
+    @property
+    def limiting_form(self) -> Form | None:
+        return self.plan.limiting_form
+
+    @property
+    def limiting_reason(self) -> Reason:
+        return self.plan.limiting_reason
+
+    @property
+    def forms(self) -> tuple[FormLookup, ...]:
+        return self.plan.forms
 
     @property
     def recoverable_tokens(self) -> int:
-        return self.resume_tokens
+        return self.plan.resume_tokens - self.replayed_tokens
 
     @property
     def recomputed_tokens(self) -> int:
-        return self.prompt_tokens - self.resume_tokens
+        return self.plan.prompt_tokens - self.plan.resume_tokens
 
     def form(self, form: Form) -> FormLookup:
-        for f in self.forms:
-            if f.form == form:
-                return f
-        raise KeyError(form)
+        return self.plan.form(form)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

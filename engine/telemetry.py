@@ -29,9 +29,9 @@ class EventSink(Protocol):
 
     def emit(self, event: Event) -> None: ...
 
-    def flush(self, timeout: float | None = None) -> bool: ...
+    def flush(self, timeout_seconds: float | None = None) -> bool: ...
 
-    def close(self, timeout: float | None = None) -> None: ...
+    def close(self, timeout_seconds: float | None = None) -> None: ...
 
 
 class NullSink:
@@ -40,10 +40,10 @@ class NullSink:
     def emit(self, event: Event) -> None:
         pass
 
-    def flush(self, timeout: float | None = None) -> bool:
+    def flush(self, timeout_seconds: float | None = None) -> bool:
         return True
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout_seconds: float | None = None) -> None:
         pass
 
 
@@ -56,10 +56,10 @@ class ListSink:
     def emit(self, event: Event) -> None:
         self.events.append(event)
 
-    def flush(self, timeout: float | None = None) -> bool:
+    def flush(self, timeout_seconds: float | None = None) -> bool:
         return True
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout_seconds: float | None = None) -> None:
         pass
 
 
@@ -112,6 +112,7 @@ class TelemetryClient:
         self.sent_batches = 0
         self.dropped_events = 0
         self.rejected_batches = 0
+        self.rejected_events = 0
         self.failed_batches = 0
         self._thread = threading.Thread(target=self._run, name="kvscope-telemetry", daemon=True)
         self._thread.start()
@@ -133,9 +134,9 @@ class TelemetryClient:
             if self.dropped_events in (1, 10, 100) or self.dropped_events % 10_000 == 0:
                 log.error("telemetry queue full: %d events dropped so far", self.dropped_events)
 
-    def flush(self, timeout: float | None = None) -> bool:
+    def flush(self, timeout_seconds: float | None = None) -> bool:
         """Wait until every queued event was sent (or given up on). True if drained in time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         with self._cond:
             while self._pending:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -144,12 +145,17 @@ class TelemetryClient:
                 self._cond.wait(remaining)
         return True
 
-    def close(self, timeout: float | None = 30.0) -> None:
+    def close(self, timeout_seconds: float | None = 30.0) -> None:
         """Flush, stop the sender and close the HTTP client."""
-        self.flush(timeout)
+        self.flush(timeout_seconds)
         self._stop.set()
-        self._thread.join(timeout)
+        self._thread.join(timeout_seconds)
         self._http.close()
+
+    @property
+    def lost_events(self) -> int:
+        """Events the agent will never store: dropped here, or in batches it rejected."""
+        return self.dropped_events + self.rejected_events
 
     # -- sender thread -------------------------------------------------------------------------
     def _settle(self, n: int) -> None:
@@ -198,6 +204,7 @@ class TelemetryClient:
                     return
                 if resp.status_code < 500:
                     self.rejected_batches += 1
+                    self.rejected_events += len(events)
                     log.error("agent rejected batch seq=%d (%d events): %s", batch.seq, len(events), resp.text[:500])
                     return
                 reason = f"HTTP {resp.status_code}"

@@ -30,6 +30,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (1..65535)")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -60,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="agent + alerts + dashboard + the engine replaying a real trace")
     up.add_argument("--trace", type=Path, default=None, help="weka directory/.json or mooncake .jsonl (default: the bundled weka slice)")
     up.add_argument("--data-dir", type=Path, default=Path("kvscope-data"), help="DuckDB, logs (default: %(default)s)")
-    up.add_argument("--agent-port", type=int, default=9400)
-    up.add_argument("--dashboard-port", type=int, default=8501)
+    up.add_argument("--agent-port", type=_port, default=9400)
+    up.add_argument("--dashboard-port", type=_port, default=8501)
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Streamlit dashboard")
     up.add_argument("--exit-when-done", action="store_true", help="stop agent and dashboard after the replay")
     up.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help="evaluate alerts every N s instead of every minute")
@@ -70,14 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="the sidecar: ingest, DuckDB store, metrics, SQL, alerts")
     agent.add_argument("--config", type=Path, default=None, help="YAML file (flags override it)")
     agent.add_argument("--host", default=None)
-    agent.add_argument("--port", type=int, default=None)
+    agent.add_argument("--port", type=_port, default=None)
     agent.add_argument("--data-dir", type=Path, default=None)
     agent.add_argument("--token", default=None, help="bearer token (or KVSCOPE_TOKEN)")
     agent.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help=argparse.SUPPRESS)
 
     dash = sub.add_parser("dashboard", help="the Streamlit dashboard")
     dash.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
-    dash.add_argument("--port", type=int, default=8501)
+    dash.add_argument("--port", type=_port, default=8501)
     dash.add_argument("--host", default="127.0.0.1")
 
     rep = sub.add_parser("replay", help="replay a trace through the engine")
@@ -177,7 +184,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     from agent.config import AgentConfig, ConfigError, load_config
     from agent.server import serve
-    from agent.store import lock_holder
+    from agent.store import SchemaTooNewError, lock_holder
 
     try:
         config = load_config(args.config) if args.config else AgentConfig()
@@ -197,6 +204,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     try:
         serve(config)
+    except SchemaTooNewError as exc:
+        raise UserError(f"{config.db_path}: {exc}") from None
     except duckdb.IOException as exc:
         holder = lock_holder(exc)
         if holder is None:
@@ -221,29 +230,38 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from engine.llm import LLM
-    from engine.telemetry import TelemetryClient
     from engine.trace.formats import TraceError, load_trace
-    from engine.trace.replay import replay
+    from kvscope.replaying import new_engine_id, run_replay, stored_summary
     from kvscope.summary import Summary
 
     replay_cfg, cache_cfg = _replay_config(args)
+    err = Console(stderr=True, soft_wrap=True)
     try:
         requests = load_trace(args.trace)
-        telemetry = TelemetryClient(args.agent, "replay") if args.agent else None
-        llm = LLM(args.model, cache=cache_cfg, telemetry=telemetry)
+        run = run_replay(
+            model=args.model,
+            cache=cache_cfg,
+            config=replay_cfg,
+            requests=requests,
+            agent_url=args.agent,
+            engine_id=new_engine_id(),
+            console=err,
+        )
     except (TraceError, ValueError) as exc:
         raise UserError(str(exc)) from None
-    try:
-        tally = replay(llm, requests, replay_cfg)
-    finally:
-        llm.close()
-    summary = Summary.from_tally(tally)
+    consistent = True
+    if args.agent:
+        summary, consistent = stored_summary(args.agent, run, err)
+        if summary is None:
+            return 1
+    else:
+        summary = Summary.from_tally(run.tally)
     if args.json:
-        print(json.dumps({**summary.to_json(), "skipped_requests": tally.skipped_requests}))
+        doc = {"engine_id": run.engine_id, "skipped_requests": run.tally.skipped_requests}
+        print(json.dumps({**summary.to_json(), **doc}))
     else:
         summary.render(Console())
-    return 0
+    return 1 if run.lost_events or not consistent else 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -11,15 +11,15 @@ import io
 from pathlib import Path
 
 import duckdb
-import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
 from agent.client import AgentClient
-from agent.sql import ResultSet, SqlError, check_read_only, render, rows_of
+from agent.sql import ResultSet, SqlError, check_read_only, render, rows_of, run_on_connection
 from agent.store import lock_holder
 
 MAX_ROWS = 10_000
+TIMEOUT_SECONDS = 600.0
 
 
 def run_sql(query: str, *, db: Path | None, agent: str | None, fmt: str) -> str:
@@ -55,32 +55,18 @@ def _query_file(db: Path, query: str) -> ResultSet:
     try:
         con = duckdb.connect(str(db), read_only=True, config={"enable_external_access": False})
     except duckdb.IOException as exc:
-        if lock_holder(exc) is not None:
+        holder = lock_holder(exc)
+        if holder is not None:
             raise ValueError(
-                f"{db} is open in a running agent ({lock_holder(exc)}; DuckDB allows one writer "
-                "process); query it through the agent with --agent URL instead"
+                f"{db} is open in a running agent ({holder}; DuckDB allows one writer process); "
+                "query it through the agent with --agent URL instead"
             ) from None
         raise ValueError(f"{db}: {exc}") from None
     try:
         con.execute("SET lock_configuration = true")
-        relation = con.sql(query)
-        batches: list[pa.RecordBatch] = []
-        count = 0
-        with relation.to_arrow_reader(2048) as reader:
-            for batch in reader:
-                batches.append(batch)
-                count += batch.num_rows
-                if count > MAX_ROWS:
-                    break
-            table = pa.Table.from_batches(batches, schema=reader.schema)
-        return ResultSet(
-            columns=tuple(relation.columns),
-            types=tuple(str(t) for t in relation.types),
-            table=table.slice(0, MAX_ROWS),
-            truncated=count > MAX_ROWS,
-        )
-    except duckdb.Error as exc:
-        raise ValueError(str(exc)) from None
+        return run_on_connection(con, query, row_limit=MAX_ROWS, timeout_seconds=TIMEOUT_SECONDS)
+    except SqlError as exc:
+        raise ValueError(exc.reason) from None
     finally:
         con.close()
 

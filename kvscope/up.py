@@ -7,6 +7,7 @@
    requests done and the recoverable hit rate of the recent requests.
 4. Flush telemetry, read the per-form summary back from the agent (so it is what was stored),
    check it against the in-process tally, print it (table, or one JSON object with ``--json``).
+   Exit status 1 if any event was lost or the stored totals differ from the engine's.
 5. Keep agent and dashboard up until Ctrl-C unless ``--exit-when-done``; then stop them by PID.
 """
 
@@ -14,32 +15,24 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
-import socket
 import sys
 import threading
-import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 import duckdb
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from agent.client import AgentClient, AgentError
 from agent.store import lock_holder
 from engine.cache import CacheConfig
-from engine.llm import LLM
-from engine.outputs import RequestOutput
-from engine.telemetry import TelemetryClient
-from engine.trace.formats import TraceError, TraceRequest, load_trace
-from engine.trace.replay import ReplayConfig, ReplayTally, replay
+from engine.config import resolve_preset
+from engine.trace.formats import TraceError, load_trace
+from engine.trace.replay import ReplayConfig
 from kvscope.data import bundled_trace
+from kvscope.replaying import new_engine_id, run_replay, stored_summary
 from kvscope.services import ServiceError, ServiceGroup, port_is_free
-from kvscope.summary import Summary
 
 log = logging.getLogger(__name__)
 
@@ -59,31 +52,15 @@ class UpOptions:
     alert_interval_seconds: float | None
 
 
-class _RollingRate:
-    """Recoverable and raw hit rate over the last ``n`` requests (token sums)."""
-
-    def __init__(self, n: int = 50) -> None:
-        self._rows: deque[tuple[int, int, int]] = deque(maxlen=n)
-
-    def add(self, out: RequestOutput) -> None:
-        c = out.cache
-        self._rows.append((c.prompt_tokens, c.hash_hit_tokens, c.recoverable_tokens))
-
-    def text(self) -> str:
-        prompt = sum(r[0] for r in self._rows)
-        if not prompt:
-            return ""
-        raw = sum(r[1] for r in self._rows) / prompt
-        rec = sum(r[2] for r in self._rows) / prompt
-        return f"last {len(self._rows)} requests: recoverable {100 * rec:5.1f}% (raw {100 * raw:5.1f}%)"
-
-
 def run_up(opts: UpOptions) -> int:
     err = Console(stderr=True, soft_wrap=True)
     trace_path = opts.trace or bundled_trace()
     requests = load_trace(trace_path)
     if not requests:
         raise TraceError(f"{trace_path}: the trace holds no requests")
+    resolve_preset(opts.model)  # an unknown model fails before anything starts
+    if opts.data_dir.exists() and not opts.data_dir.is_dir():
+        raise ValueError(f"--data-dir {opts.data_dir} is a file, not a directory")
     for name, port in (("agent", opts.agent_port), ("dashboard", opts.dashboard_port)):
         if (name == "agent" or opts.dashboard) and not port_is_free("127.0.0.1", port):
             err.print(
@@ -123,16 +100,26 @@ def run_up(opts: UpOptions) -> int:
                 env={"KVSCOPE_AGENT_URL": agent_url},
             )
             err.print(f"dashboard  http://127.0.0.1:{opts.dashboard_port}")
-        engine_id = f"replay-{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
-        tally = _replay_with_progress(opts, requests, agent_url, engine_id, stop, err)
-        summary = _stored_summary(agent_url, engine_id, tally, err)
+        run = run_replay(
+            model=opts.model,
+            cache=opts.cache,
+            config=opts.replay,
+            requests=requests,
+            agent_url=agent_url,
+            engine_id=new_engine_id(),
+            console=err,
+            stop=stop,
+        )
+        summary, consistent = stored_summary(agent_url, run, err)
         if summary is None:
             return 1
         if opts.json:
-            doc = {"engine_id": engine_id, "trace": str(trace_path), "skipped_requests": tally.skipped_requests}
-            print(json.dumps({**summary.to_json(), **doc}))
+            doc = {"engine_id": run.engine_id, "trace": str(trace_path), "skipped_requests": run.tally.skipped_requests}
+            print(json.dumps({**summary.to_json(), **doc}), flush=True)
         else:
             summary.render(Console())
+        if run.lost_events or not consistent:
+            return 1
         if not opts.exit_when_done and not stop.is_set():
             err.print("replay done; agent and dashboard keep running. Press Ctrl-C to stop.")
             while not stop.wait(1.0):
@@ -160,56 +147,6 @@ def database_holder(db: Path) -> str | None:
             raise
         return holder
     return None
-
-
-def _replay_with_progress(
-    opts: UpOptions, requests: list[TraceRequest], agent_url: str, engine_id: str, stop: threading.Event, err: Console
-) -> ReplayTally:
-    telemetry = TelemetryClient(agent_url, engine_id)
-    llm = LLM(opts.model, cache=opts.cache, telemetry=telemetry, engine_id=engine_id)
-    total = min(len(requests), opts.replay.max_requests or len(requests))
-    rolling = _RollingRate()
-    columns = (
-        TextColumn("[bold]replay[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[rate]}"),
-    )
-    try:
-        with Progress(*columns, console=err, transient=False) as progress:
-            task = progress.add_task("replay", total=total, rate="")
-
-            def on_request(done: int, _total: int, _req: TraceRequest, out: RequestOutput | None) -> None:
-                if out is not None:
-                    rolling.add(out)
-                progress.update(task, completed=done, rate=rolling.text())
-
-            tally = replay(llm, requests, opts.replay, on_request=on_request, stop=stop)
-        llm.emit_engine_stats()
-    finally:
-        llm.close(timeout=60)
-    if telemetry.dropped_events or telemetry.rejected_batches:
-        err.print(
-            f"[red]telemetry lost {telemetry.dropped_events} events "
-            f"({telemetry.rejected_batches} batches rejected by the agent)[/]"
-        )
-    return tally
-
-
-def _stored_summary(agent_url: str, engine_id: str, tally: ReplayTally, err: Console) -> Summary | None:
-    try:
-        stored = Summary.from_agent(AgentClient(base_url=agent_url, timeout_seconds=60), engine_id)
-    except AgentError as exc:
-        err.print(f"[red]cannot read the summary back from the agent: {exc}[/]")
-        return None
-    local = Summary.from_tally(tally)
-    if stored.to_json() != local.to_json():
-        err.print(
-            "[yellow]warning: the agent stored different totals than the engine counted "
-            f"(stored {stored.requests} requests, engine {local.requests}); see the agent log[/]"
-        )
-    return stored
 
 
 def _install_stop_handlers(stop: threading.Event) -> None:

@@ -15,6 +15,10 @@ from engine.cache.hashing import BlockHash
 
 SENTINEL_BLOCK = 0
 
+EVICTED_MEMORY_FACTOR = 8
+"""A pool remembers the hashes of its last ``8 × num_blocks`` evictions, to tell a block that was
+evicted from one that was never stored."""
+
 
 class PoolExhausted(RuntimeError):
     """Every block of the pool is leased; nothing can be evicted to serve an allocation."""
@@ -49,11 +53,17 @@ class BlockPool:
         self._on_publish = on_publish
         self._on_evict = on_evict
         self.evictions = 0
+        self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
+        self._evicted_memory = EVICTED_MEMORY_FACTOR * num_blocks
 
     # -- queries -------------------------------------------------------------------------------
     def lookup(self, h: BlockHash) -> int | None:
         """The block cached under ``h``, if any (leased or evictable)."""
         return self._cached.get(h)
+
+    def was_evicted(self, h: BlockHash) -> bool:
+        """Whether a block cached under ``h`` was evicted recently (and not stored again since)."""
+        return h in self._evicted
 
     @property
     def num_free(self) -> int:
@@ -88,6 +98,9 @@ class BlockPool:
             del self._cached[h]
             self.block_hash[block] = None
             self.evictions += 1
+            self._evicted[h] = None
+            if len(self._evicted) > self._evicted_memory:
+                self._evicted.popitem(last=False)
             self._on_evict(h)
         self.ref_count[block] = 1
         self.epoch[block] += 1
@@ -133,6 +146,7 @@ class BlockPool:
             return False
         self.block_hash[block] = h
         self._cached[h] = block
+        self._evicted.pop(h, None)
         self._on_publish(h)
         return True
 

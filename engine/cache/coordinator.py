@@ -11,10 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from engine.cache.forms import CacheForm
 from engine.cache.hashing import BlockHash
 from engine.events import Form, Outcome, Reason
+
+
+class ResumableForm(Protocol):
+    """What the coordinator needs of a cache form."""
+
+    form: Form
+
+    def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
+        """Largest multiple of U ≤ ``limit_tokens`` at which this form can resume exactly."""
+        ...
+
+    def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
+        """Why this form cannot resume at ``resume_tokens`` (called only where it cannot)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,7 +72,7 @@ def resume_limit(prompt_tokens: int, unit_tokens: int) -> int:
 
 
 def plan_resume(
-    forms: Sequence[CacheForm],
+    forms: Sequence[ResumableForm],
     hashes: Sequence[BlockHash],
     prompt_tokens: int,
     hash_hit_tokens: int,
@@ -72,37 +86,39 @@ def plan_resume(
         hash_hit_tokens: length of the longest indexed prefix (a multiple of U).
 
     Verdicts: no hash hit → ``miss`` (``no_prefix_match``) for every form; a form that lost
-    tokens (usable < the capped hash hit) or that lowered L* during the fixed point →
-    ``invalidated`` with its reason; a matched prefix too short to leave a resume point before
-    the last token → ``invalidated`` (``prompt_end``); otherwise ``hit``.
+    tokens (usable < the capped hash hit) or lowered L* during the fixed point → ``invalidated``
+    with the reason it gives for the first point it could not serve; a matched prefix too short
+    to leave a resume point before the last token → ``invalidated`` (``prompt_end``); otherwise
+    ``hit``.
 
-    The limiting form is the one that lowered L last (None when nothing did); its reason is the
-    request's ``limiting_reason``. When only the prompt end caps L*, the reason is
-    ``prompt_end``; with no hash hit at all it is ``no_prefix_match``.
+    The limiting form is the one that set L* (the last to lower it); when several forms cannot
+    go above L* on their own, one whose loss is a real cause (evicted, missing checkpoint) is
+    named before one that is only ``below_granularity``, then in :class:`Form` order. It is
+    None when nothing lowered L*: the reason is then ``prompt_end`` if the prompt end capped
+    L*, ``no_prefix_match`` without a hash hit, else ``none``.
     """
     target = min(hash_hit_tokens, resume_limit(prompt_tokens, unit_tokens))
     usable = {f.form: f.resume_at_most(hashes, target) for f in forms}
+    first_loss = {f.form: target for f in forms if usable[f.form] < target}
     resume = target
-    limiting: CacheForm | None = None
-    lowered_by: set[Form] = set()
+    last: ResumableForm | None = None
     changed = True
     while changed:
         changed = False
         for f in forms:
             lowered = f.resume_at_most(hashes, resume)
             if lowered < resume:
-                resume, limiting, changed = lowered, f, True
-                lowered_by.add(f.form)
+                first_loss.setdefault(f.form, resume)
+                resume, last, changed = lowered, f, True
 
+    reasons = {f.form: f.loss_reason(hashes, first_loss[f.form]) for f in forms if f.form in first_loss}
     verdicts = []
     for f in forms:
         u = usable[f.form]
         if hash_hit_tokens == 0:
             outcome, reason = Outcome.MISS, Reason.NO_PREFIX_MATCH
-        elif u < target or f.form in lowered_by:
-            # lost tokens itself, or vetoed a point the others offered (a window or checkpoint
-            # set valid at the hash hit but not below it)
-            outcome, reason = Outcome.INVALIDATED, f.reason
+        elif f.form in reasons:
+            outcome, reason = Outcome.INVALIDATED, reasons[f.form]
         elif target == 0:
             outcome, reason = Outcome.INVALIDATED, Reason.PROMPT_END  # nothing before the last token
         else:
@@ -111,8 +127,12 @@ def plan_resume(
             FormLookup(form=f.form, outcome=outcome, reason=reason, usable_tokens=u, recoverable_tokens=min(u, resume))
         )
 
-    if limiting is not None:
-        limiting_form, limiting_reason = limiting.form, limiting.reason
+    limiting_form: Form | None
+    if last is not None:
+        order = [f.form for f in forms]
+        binding = {last.form} | {form for form in reasons if usable[form] == resume}
+        limiting_form = min(binding, key=lambda form: (reasons[form] == Reason.BELOW_GRANULARITY, order.index(form)))
+        limiting_reason = reasons[limiting_form]
     elif hash_hit_tokens == 0:
         limiting_form, limiting_reason = None, Reason.NO_PREFIX_MATCH
     elif target < hash_hit_tokens:

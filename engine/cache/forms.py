@@ -44,7 +44,7 @@ class PagedKVForm:
         device: torch.device,
     ) -> None:
         self.form = form
-        self.reason = Reason.SWA_EVICTED if window is not None else Reason.KV_EVICTED
+        self.evicted_reason = Reason.SWA_EVICTED if window is not None else Reason.KV_EVICTED
         self.layers = layers
         self.layer_slot = {layer: i for i, layer in enumerate(layers)}
         self.unit_tokens = unit_tokens
@@ -84,12 +84,21 @@ class PagedKVForm:
         return 0
 
 
+    def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
+        """Why this form cannot resume at ``resume_tokens``: a page it needs there was evicted
+        (``kv_evicted`` / ``swa_evicted``), or was never stored — the window form stores pages
+        only behind recurrent checkpoints, so a point between them is ``below_granularity``."""
+        missing = [hashes[p] for p in self.needed_pages(resume_tokens) if self.pool.lookup(hashes[p]) is None]
+        if not missing or any(self.pool.was_evicted(h) for h in missing):
+            return self.evicted_reason
+        return Reason.BELOW_GRANULARITY
+
+
 class LinearCheckpointForm:
     """Checkpoints of the conv and recurrent state of every ``linear_attention`` layer, keyed by
     the hash of the prefix they summarise (the block ending at the checkpoint)."""
 
     form = Form.LINEAR_STATE
-    reason = Reason.LINEAR_CHECKPOINT_MISSING
 
     def __init__(
         self,
@@ -119,6 +128,10 @@ class LinearCheckpointForm:
                 return cand
         return 0
 
+    def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
+        """No checkpoint at ``resume_tokens``: evicted or never taken, it is missing."""
+        return Reason.LINEAR_CHECKPOINT_MISSING
+
     def checkpoint_at(self, hashes: Sequence[BlockHash], resume_tokens: int) -> int | None:
         """Slot of the checkpoint at ``resume_tokens`` (None at 0 or when absent)."""
         if resume_tokens == 0:
@@ -128,7 +141,7 @@ class LinearCheckpointForm:
     def read(self, slot: int) -> dict[int, LinearLayerState]:
         """Copies of the checkpointed state, per model layer."""
         return {
-            layer: LinearLayerState(self.conv[slot, i].clone(), self.recurrent[slot, i].clone())
+            layer: LinearLayerState(self.conv[slot, i], self.recurrent[slot, i]).clone()
             for i, layer in enumerate(self.layers)
         }
 

@@ -20,7 +20,7 @@ import torch
 
 from engine.cache.block_pool import SENTINEL_BLOCK, PoolExhausted
 from engine.cache.config import CacheConfig
-from engine.cache.coordinator import ResumePlan, plan_resume
+from engine.cache.coordinator import ResumePlan, plan_resume, resume_limit
 from engine.cache.forms import CacheForm, LinearCheckpointForm, PagedKVForm
 from engine.cache.hashing import BlockHash, PrefixIndex, chain_hashes, root_hash
 from engine.cache.sequence import PagedSequence
@@ -31,7 +31,7 @@ from engine.model.state import LinearLayerState
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FormOccupancy:
     """One form's pool: blocks holding state (leased by running requests or cached), of which
     leased and cached (published), and blocks an allocation could take (empty or evictable)."""
@@ -164,13 +164,15 @@ class PrefixCache:
         """
         resume = plan.resume_tokens
         u = self.unit_tokens
-        seq = PagedSequence(self, token_ids, hashes[: len(token_ids) // u], resume)
+        seq = PagedSequence(
+            self, token_ids, hashes[: len(token_ids) // u], resume, self.checkpoint_positions(plan)
+        )
         try:
             for form in self.kv_forms:
                 needed = form.needed_pages(resume)
                 table = seq.tables[form]
                 table.extend([SENTINEL_BLOCK] * (resume // u))
-                seq.released_to[form] = needed.start
+                seq.released_pages[form] = needed.start
                 for page in needed:
                     block = form.pool.lookup(hashes[page])
                     if block is None:
@@ -193,6 +195,27 @@ class PrefixCache:
             seq.finish()  # give back the leases taken so far
             raise
         return seq
+
+    def checkpoint_positions(self, plan: ResumePlan) -> frozenset[int]:
+        """Where a request prefilling ``[L*, T)`` takes recurrent checkpoints: every multiple of
+        the checkpoint interval, the last U boundary strictly before the prompt end (where a
+        follow-up turn resumes), and the junction where the matched prefix ends when L* fell
+        short of it (a sibling sharing that prefix then resumes there: case C1)."""
+        start = plan.resume_tokens
+        limit = resume_limit(plan.prompt_tokens, self.unit_tokens)
+        interval = self.config.checkpoint_interval_tokens
+        positions = set(range(start - start % interval + interval, limit + 1, interval))
+        for p in (limit, min(plan.hash_hit_tokens, limit)):
+            if p > start:
+                positions.add(p)
+        return frozenset(positions)
+
+    def window_pages_needed(self, window_tokens: int, max_tokens: int) -> int:
+        """Most pages one request can hold in a window pool: the window behind its last
+        checkpoint (up to one interval back), one prefill chunk, and its decoded tokens."""
+        c = self.config
+        span = window_tokens + c.max_prefill_chunk_tokens + c.checkpoint_interval_tokens + max_tokens
+        return -(-span // self.unit_tokens) + 2
 
     def form_epoch(self, seq: PagedSequence, form: CacheForm, resume_tokens: int) -> int:
         """Epoch of the deepest object a form contributed to the resume (0 when none)."""

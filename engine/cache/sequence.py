@@ -52,25 +52,34 @@ class _ChunkPages:
 class PagedSequence:
     """Implements :class:`~engine.model.state.SequenceState` over the cache pools."""
 
-    def __init__(self, cache: PrefixCache, token_ids: Sequence[int], hashes: Sequence[BlockHash], resume_tokens: int) -> None:
+    def __init__(
+        self,
+        cache: PrefixCache,
+        token_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        resume_tokens: int,
+        checkpoint_positions: frozenset[int],
+    ) -> None:
         self.cache = cache
         self.token_ids = list(token_ids)
         self.hashes = list(hashes)
         self.unit_tokens = cache.unit_tokens
-        self.num_computed = resume_tokens
-        self.last_checkpoint = resume_tokens
+        self.num_computed_tokens = resume_tokens
+        self.last_checkpoint_tokens = resume_tokens
         self.tables: dict[PagedKVForm, list[int]] = {f: [] for f in cache.kv_forms}
         self.published_pages = resume_tokens // self.unit_tokens
-        self.released_to: dict[PagedKVForm, int] = {f: 0 for f in cache.kv_forms}
+        self.released_pages: dict[PagedKVForm, int] = {f: 0 for f in cache.kv_forms}
         self.linear_states: dict[int, LinearLayerState] = {}
-        self.checkpoint_positions: frozenset[int] = frozenset()
-        """Where this request stores recurrent checkpoints (set before its prefill)."""
+        self.checkpoint_positions = checkpoint_positions
+        """Where this request stores recurrent checkpoints (prefill chunks end there)."""
         self._chunk: dict[PagedKVForm, _ChunkPages] = {}
         self._chunk_positions: Tensor | None = None
         self.finished = False
 
     # -- SequenceState --------------------------------------------------------------------------
     def attention_kv(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> AttentionKV:
+        if positions is not self._chunk_positions:
+            raise RuntimeError("attention_kv called with positions other than the current chunk's")
         form = self.cache.kv_form_of_layer[layer]
         plan = self._chunk[form]
         slot = form.layer_slot[layer]
@@ -84,14 +93,14 @@ class PagedSequence:
 
     # -- chunk protocol ------------------------------------------------------------------------
     def begin_chunk(self, end: int) -> Tensor:
-        """Allocate pages for ``[num_computed, end)`` and build the chunk's index tensors.
+        """Allocate pages for ``[num_computed_tokens, end)`` and build the chunk's index tensors.
 
-        Returns the chunk's positions ``[end − num_computed]``.
+        Returns the chunk's positions ``[end − num_computed_tokens]``.
 
         Raises:
             engine.cache.block_pool.PoolExhausted: a pool has no evictable block left.
         """
-        start = self.num_computed
+        start = self.num_computed_tokens
         if not start < end <= len(self.token_ids):
             raise RuntimeError(f"chunk [{start}, {end}) outside the sequence of {len(self.token_ids)} tokens")
         u = self.unit_tokens
@@ -115,12 +124,14 @@ class PagedSequence:
                 read_tokens=end - first,
                 read_positions=torch.arange(first, end, device=device),
             )
+        self._chunk_positions = positions
         return positions
 
     def commit(self, end: int, take_checkpoint: bool) -> None:
-        """Mark ``[num_computed, end)`` computed; publish completed pages; checkpoint; trim windows."""
-        self.num_computed = end
+        """Mark ``[num_computed_tokens, end)`` computed; publish completed pages; checkpoint; trim windows."""
+        self.num_computed_tokens = end
         self._chunk.clear()
+        self._chunk_positions = None
         u = self.unit_tokens
         full_pages = end // u
         if full_pages > len(self.hashes):
@@ -132,7 +143,7 @@ class PagedSequence:
                     if table[page] != SENTINEL_BLOCK and self._page_backs_a_resume_point(form, page):
                         form.pool.publish(table[page], self.hashes[page])
             if take_checkpoint and end % u == 0 and self.cache.save_checkpoint(self.hashes[end // u - 1], self.linear_states):
-                self.last_checkpoint = end
+                self.last_checkpoint_tokens = end
         self.published_pages = max(self.published_pages, full_pages)
         self._trim_windows()
 
@@ -154,10 +165,10 @@ class PagedSequence:
         the last stored recurrent checkpoint when the model has linear layers, else the last U
         boundary; with prefix caching off, nothing is kept for later (the current position)."""
         if not self.cache.config.enable_prefix_caching:
-            return self.num_computed
+            return self.num_computed_tokens
         if self.cache.linear is None:
-            return self.num_computed - self.num_computed % self.unit_tokens
-        return min(self.last_checkpoint, self.num_computed)
+            return self.num_computed_tokens - self.num_computed_tokens % self.unit_tokens
+        return min(self.last_checkpoint_tokens, self.num_computed_tokens)
 
     def _trim_windows(self) -> None:
         u = self.unit_tokens
@@ -166,11 +177,11 @@ class PagedSequence:
             if form.window is None:
                 continue
             keep_from = form.first_needed_token(anchor)
-            for page in range(self.released_to[form], keep_from // u):
+            for page in range(self.released_pages[form], keep_from // u):
                 if table[page] != SENTINEL_BLOCK:
                     form.pool.release(table[page])
                     table[page] = SENTINEL_BLOCK
-            self.released_to[form] = max(self.released_to[form], keep_from // u)
+            self.released_pages[form] = max(self.released_pages[form], keep_from // u)
 
     def finish(self) -> None:
         """Release every lease; idempotent. Pages the request did not publish become free.

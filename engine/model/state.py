@@ -37,6 +37,7 @@ class LinearLayerState:
     recurrent: Tensor
 
     def clone(self) -> LinearLayerState:
+        """An independent copy (no storage shared with this state)."""
         return LinearLayerState(self.conv.clone(), self.recurrent.clone())
 
 

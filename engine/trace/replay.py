@@ -85,15 +85,13 @@ class ReplayTally:
         self.prompt_tokens += c.prompt_tokens
         self.hash_hit_tokens += c.hash_hit_tokens
         self.recoverable_tokens += c.recoverable_tokens
+        self.replayed_tokens += c.replayed_tokens
         self.recomputed_tokens += c.recomputed_tokens
         self.output_tokens += len(out.output_token_ids)
         for f in c.forms:
             self.forms[str(f.form)][str(f.outcome)] += 1
             if f.outcome != Outcome.HIT:
                 self.reasons[str(f.form)][str(f.reason)] += 1
-
-    def recoverable_hit_rate(self) -> float | None:
-        return self.recoverable_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     def outcome_counts(self) -> dict[str, dict[str, int]]:
         """``{form: {outcome: count}}`` with every outcome of every form present (zeros kept)."""

@@ -268,3 +268,15 @@ def test_body_too_large_is_413(loaded: TestClient, store: Store, base: int) -> N
     streamed = loaded.post("/v1/events", content=chunks(), headers=JSON)
     assert streamed.status_code == 413
     assert snapshot(store) == before
+
+
+def test_every_event_field_has_its_column(store: Store) -> None:
+    """The event structs (engine/events.py), the Arrow tables built from them and the migrated
+    tables agree column for column, so a new event field cannot be silently dropped."""
+    from agent.ingest import TABLE_SPECS
+
+    duck = {"int64": "BIGINT", "int32": "INTEGER", "string": "VARCHAR", "bool": "BOOLEAN", "double": "DOUBLE", "timestamp[us]": "TIMESTAMP"}
+    with store.cursor() as cur:
+        for spec in TABLE_SPECS.values():
+            described = [(name, kind) for name, kind, *_ in cur.execute(f"DESCRIBE {spec.table}").fetchall()]
+            assert described == [(name, duck[str(dtype)]) for name, dtype in spec.columns], spec.table

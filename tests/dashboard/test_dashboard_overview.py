@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import pyarrow as pa
 import pytest
 import uvicorn
 from streamlit.testing.v1 import AppTest
@@ -110,6 +111,14 @@ def agent_url(tmp_path: Path) -> Iterator[str]:
         store.close()
 
 
+def chart_points(at: AppTest, index: int, series: str, value: str) -> dict[str, list[float]]:
+    """The values one Vega-Lite chart of the page plots, per series, in bucket order."""
+    proto = at.get("vega_lite_chart")[index].proto
+    (dataset,) = proto.datasets
+    frame = pa.ipc.open_stream(dataset.data.data).read_all().to_pandas().sort_values("bucket")
+    return {name: [round(v, 6) for v in group[value]] for name, group in frame.groupby(series)}
+
+
 def metrics_by_label(at: AppTest) -> dict[str, tuple[str, str | None]]:
     return {m.label: (m.value, m.delta or None) for m in at.metric}
 
@@ -132,6 +141,10 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
         "Prompt tokens: recoverable / replayed / recomputed",
         "Usable rate per form",
     ]
+    # buckets of 15 s: r0 alone, then r1 + r2 (token sums, not averages of ratios)
+    assert chart_points(at, 0, "series", "rate") == {"recoverable": [0.5, 0.75], "raw": [0.5, 0.95]}
+    # a form's usable rate over the prompt tokens of the requests that looked it up
+    assert chart_points(at, 2, "form", "usable rate") == {"full_kv": [0.95], "swa_window": [0.8]}
 
 
 def test_overview_with_agent_down_shows_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:

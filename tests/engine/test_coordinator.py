@@ -19,6 +19,10 @@ class FakeForm:
     def resume_at_most(self, hashes: Sequence[bytes], limit_tokens: int) -> int:
         return max(v for v in self.valid if v <= limit_tokens)
 
+    def loss_reason(self, hashes: Sequence[bytes], resume_tokens: int) -> Reason:
+        assert resume_tokens not in self.valid, "asked why it cannot resume where it can"
+        return self.reason
+
 
 def test_resume_limit_is_strictly_before_prompt_end() -> None:
     assert resume_limit(64, 16) == 48  # exact multiple: the last token is always computed
@@ -76,3 +80,15 @@ def test_matched_prefix_shorter_than_one_resume_point_is_not_a_hit() -> None:
         Reason.PROMPT_END,
         0,
     )
+
+
+def test_a_real_cause_is_named_before_below_granularity() -> None:
+    """Two forms cannot go above 0 on their own; the one whose loss is only
+    ``below_granularity`` (never stored) is not named as the limiting form."""
+    full = FakeForm(Form.FULL_KV, Reason.KV_EVICTED, {16, 32, 48, 64})
+    swa = FakeForm(Form.SWA_WINDOW, Reason.BELOW_GRANULARITY, set())
+    lin = FakeForm(Form.LINEAR_STATE, Reason.LINEAR_CHECKPOINT_MISSING, set())
+    plan = plan_resume([full, swa, lin], [b""] * 5, prompt_tokens=80, hash_hit_tokens=64, unit_tokens=16)
+    assert plan.resume_tokens == 0
+    assert (plan.limiting_form, plan.limiting_reason) == (Form.LINEAR_STATE, Reason.LINEAR_CHECKPOINT_MISSING)
+    assert plan.form(Form.SWA_WINDOW).reason == Reason.BELOW_GRANULARITY

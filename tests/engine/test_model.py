@@ -14,7 +14,7 @@ from engine.model.gated_deltanet import (
     l2norm,
 )
 from engine.model.hybrid import HybridForCausalLM
-from tests.conftest import TOLERANCE
+from tests.helpers import TOLERANCE
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""the telemetry client after ``close``."""
+"""The telemetry client: events after ``close`` and sequence numbers across restarts."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ from engine.telemetry import TelemetryClient
 
 
 def test_emit_after_close_is_dropped_not_queued_forever() -> None:
-    """After ``close`` the sender thread is gone, yet ``emit`` still counts the event as pending
-    and queues it: nothing will ever send or settle it, so ``flush()`` (no timeout) hangs forever
-    and every later ``close`` waits its full timeout. An event emitted after close must be dropped
-    and counted in ``dropped_events``."""
+    """After ``close`` the sender thread is gone: an event emitted then is dropped and counted in
+    ``dropped_events`` (never queued, so ``flush`` returns at once)."""
     client = TelemetryClient("http://127.0.0.1:9", "e-review", max_retries=1)
-    client.close(timeout=2)
+    client.close(timeout_seconds=2)
     event = EngineStats(
         ts=time.time(),
         engine_id="e-review",
@@ -28,16 +26,13 @@ def test_emit_after_close_is_dropped_not_queued_forever() -> None:
         total_blocks=1,
     )
     client.emit(event)
-    assert client.flush(timeout=1.0), "an event emitted after close() can never be flushed"
+    assert client.flush(timeout_seconds=1.0), "an event emitted after close() can never be flushed"
     assert client.dropped_events == 1
 
 
 def test_restarted_engine_with_a_stable_id_does_not_reuse_seqs() -> None:
-    """The agent is idempotent on (engine_id, seq) and acknowledges a repeat as ``duplicate``
-    without storing it. ``TelemetryClient`` starts ``seq`` at 0 in every process, so an engine
-    restarted under the same ``engine_id`` (``LLM(engine_id=...)`` is public API) sends seq 0, 1,
-    … again and the agent silently drops every batch of the new run as a duplicate. The seq must
-    stay monotonic per engine id across restarts (or the key must include a run id)."""
+    """The agent deduplicates on (engine_id, seq): an engine restarted under the same id must not
+    send a seq its previous run used, or the new run's batches are dropped as duplicates."""
     import httpx
     import msgspec
 
@@ -65,7 +60,7 @@ def test_restarted_engine_with_a_stable_id_does_not_reuse_seqs() -> None:
                 total_blocks=1,
             )
         )
-        client.close(timeout=5)
+        client.close(timeout_seconds=5)
     assert len(sent) == 2
     assert sent[0] != sent[1], (
         f"both runs sent {sent[0]}: the second run's events are dropped as duplicates"

@@ -4,28 +4,14 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import LLM, CacheConfig, SamplingParams
 from engine.events import CacheLookup, Form, Outcome, Reason, RequestEvent
 from engine.telemetry import ListSink
-from tests.conftest import TOLERANCE
+from tests.helpers import assert_warm_equals_cold, tokens
 
 U = 16
 SMALL = CacheConfig(unit_tokens=U, checkpoint_interval_tokens=32, max_prefill_chunk_tokens=64)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def assert_warm_equals_cold(llm: LLM, ids: list[int]):
-    out = llm.score(ids)
-    cold = llm.prefill_logits(ids)
-    assert out.resume_tokens % U == 0 and out.resume_tokens < len(ids)
-    assert out.logits.shape == (len(ids) - out.resume_tokens, llm.config.vocab_size)
-    assert (out.logits - cold[out.resume_tokens :]).abs().max().item() <= TOLERANCE[torch.float32]
-    return out
 
 
 @pytest.fixture

@@ -1,0 +1,127 @@
+"""A trace replay as ``kvscope up`` and ``kvscope replay`` run it: the engine with telemetry to an
+agent (optional), a progress bar, and the summary — read back from the agent when there is one,
+so it shows what was stored, and checked against the engine's own tally so a loss is noticed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from agent.client import AgentClient, AgentError
+from engine.cache import CacheConfig
+from engine.config import HybridConfig
+from engine.llm import LLM
+from engine.outputs import RequestOutput
+from engine.telemetry import TelemetryClient
+from engine.trace.formats import TraceRequest
+from engine.trace.replay import ReplayConfig, ReplayTally, replay
+from kvscope.summary import Summary
+
+
+def new_engine_id(prefix: str = "replay") -> str:
+    """An engine id unique to this run: ``prefix-host-pid-unixtime``."""
+    return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayRun:
+    """What a replay did: the in-process tally and the events the agent never stored."""
+
+    engine_id: str
+    tally: ReplayTally
+    lost_events: int
+
+
+class _RollingRate:
+    """Recoverable and raw hit rate over the last ``n`` requests (token sums)."""
+
+    def __init__(self, n: int = 50) -> None:
+        self._rows: deque[tuple[int, int, int]] = deque(maxlen=n)
+
+    def add(self, out: RequestOutput) -> None:
+        c = out.cache
+        self._rows.append((c.prompt_tokens, c.hash_hit_tokens, c.recoverable_tokens))
+
+    def text(self) -> str:
+        prompt = sum(r[0] for r in self._rows)
+        if not prompt:
+            return ""
+        raw = sum(r[1] for r in self._rows) / prompt
+        rec = sum(r[2] for r in self._rows) / prompt
+        return f"last {len(self._rows)} requests: recoverable {100 * rec:5.1f}% (raw {100 * raw:5.1f}%)"
+
+
+def run_replay(
+    *,
+    model: str | HybridConfig,
+    cache: CacheConfig,
+    config: ReplayConfig,
+    requests: Sequence[TraceRequest],
+    agent_url: str | None,
+    engine_id: str,
+    console: Console,
+    stop: threading.Event | None = None,
+) -> ReplayRun:
+    """Replay ``requests`` through a fresh engine, showing progress on ``console``.
+
+    With ``agent_url`` the engine's events go to that agent; the telemetry is flushed before
+    this returns, and ``lost_events`` counts the events dropped or rejected on the way.
+
+    Raises:
+        ValueError: an unknown model or a cache configuration the model cannot use.
+    """
+    llm = LLM(model, cache=cache, telemetry=agent_url, engine_id=engine_id)
+    total = min(len(requests), config.max_requests or len(requests))
+    rolling = _RollingRate()
+    columns = (
+        TextColumn("[bold]replay[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]}"),
+    )
+    try:
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("replay", total=total, rate="")
+
+            def on_request(done: int, _total: int, _req: TraceRequest, out: RequestOutput | None) -> None:
+                if out is not None:
+                    rolling.add(out)
+                progress.update(task, completed=done, rate=rolling.text())
+
+            tally = replay(llm, requests, config, on_request=on_request, stop=stop)
+        llm.emit_engine_stats()
+    finally:
+        llm.close(timeout_seconds=60)
+    lost = llm.sink.lost_events if isinstance(llm.sink, TelemetryClient) else 0
+    if lost:
+        console.print(f"[red]telemetry lost {lost} events: the agent did not store them (see its log)[/]")
+    return ReplayRun(engine_id=engine_id, tally=tally, lost_events=lost)
+
+
+def stored_summary(agent_url: str, run: ReplayRun, console: Console) -> tuple[Summary | None, bool]:
+    """The summary of ``run`` as the agent stored it, and whether it matches the engine's tally.
+
+    Returns ``(None, False)`` (after printing why) when the agent cannot answer.
+    """
+    try:
+        stored = Summary.from_agent(AgentClient(base_url=agent_url, timeout_seconds=60), run.engine_id)
+    except AgentError as exc:
+        console.print(f"[red]cannot read the summary back from the agent: {exc}[/]")
+        return None, False
+    local = Summary.from_tally(run.tally)
+    if stored.to_json() != local.to_json():
+        console.print(
+            "[red]the agent stored different totals than the engine counted "
+            f"(stored {stored.requests} requests, engine {local.requests}); see the agent log[/]"
+        )
+        return stored, False
+    return stored, True

@@ -1,0 +1,43 @@
+"""Helpers shared by the test suites: the tolerance table, token streams, warm-equals-cold."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from engine import LLM
+from engine.outputs import ScoreOutput
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}
+"""Max abs difference allowed between a cached path and its reference, per dtype."""
+
+
+def tokens(n: int, seed: int, vocab_size: int = 256) -> list[int]:
+    """``n`` reproducible random token ids."""
+    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_warm_equals_cold(llm: LLM, ids: list[int]) -> ScoreOutput:
+    """Score ``ids`` through the cache and check the logits against a full recompute."""
+    out = llm.score(ids)
+    cold = llm.prefill_logits(ids)
+    unit = llm.cache_config.unit_tokens
+    assert out.resume_tokens % unit == 0 and out.resume_tokens < len(ids)
+    assert out.logits.shape == (len(ids) - out.resume_tokens, llm.config.vocab_size)
+    diff = (out.logits - cold[out.resume_tokens :]).abs().max().item()
+    assert diff <= TOLERANCE[torch.float32], f"warm != cold by {diff:.3g} (L* = {out.resume_tokens}, T = {len(ids)})"
+    return out
+
+
+def assert_no_leases(llm: LLM) -> None:
+    """Between requests: the pools are consistent and nothing is leased."""
+    llm.cache.check_invariants()
+    for f in llm.cache.forms:
+        assert f.pool.num_leased == 0, f"{f.form}: {f.pool.num_leased} blocks still leased"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
