@@ -6,9 +6,10 @@ A config names its layer kinds the way the transformers configs of the models th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from typing import Any
 
 LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 
@@ -98,24 +99,50 @@ class HybridConfig:
         return tuple(i for i, k in enumerate(self.layer_types) if k == kind)
 
 
-PRESETS: Mapping[str, HybridConfig] = MappingProxyType(
-    {
-        "kvscope_hybrid-tiny": HybridConfig(),
-    }
-)
-"""Named presets; ``engine.LLM(model=NAME)`` accepts these names."""
+HF_BOOKKEEPING_KEYS = frozenset({"architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"})
+"""config.json keys written by tools that carry no model information."""
 
 
-def resolve_preset(name: str) -> HybridConfig:
-    """The config of a named preset.
+def config_fields_from_dict(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of dataclass ``cls`` found in ``raw`` (a config.json mapping).
+
+    Lists become tuples where the field is a tuple. Bookkeeping keys are ignored.
 
     Raises:
-        ValueError: the name is not a preset (the message lists the presets).
+        ValueError: an unknown key, or a value of the wrong JSON type, naming the field.
     """
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model {name!r}: not a preset ({', '.join(sorted(PRESETS))}) "
-            "and not a model directory"
-        ) from None
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in HF_BOOKKEEPING_KEYS:
+            continue
+        if key not in fields:
+            raise ValueError(f"unknown field {key!r} for {cls.__name__}")
+        default = fields[key].default
+        if isinstance(default, tuple):
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"field {key!r} must be a list, got {value!r:.60}")
+            value = tuple(value)
+        elif isinstance(default, bool) and not isinstance(value, bool):
+            raise ValueError(f"field {key!r} must be true or false, got {value!r:.60}")
+        elif isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"field {key!r} must be an integer, got {value!r:.60}")
+        elif isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"field {key!r} must be a number, got {value!r:.60}")
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise ValueError(f"field {key!r} must be a string, got {value!r:.60}")
+        out[key] = float(value) if isinstance(default, float) else value
+    return out
+
+
+def hybrid_config_from_dict(raw: Mapping[str, Any]) -> HybridConfig:
+    """A :class:`HybridConfig` from a ``config.json`` mapping (``model_type`` must match)."""
+    if raw.get("model_type", "kvscope_hybrid") != "kvscope_hybrid":
+        raise ValueError(f"model_type {raw.get('model_type')!r} is not kvscope_hybrid")
+    return HybridConfig(**config_fields_from_dict(HybridConfig, raw))
+
+
+def hybrid_config_to_dict(config: HybridConfig) -> dict[str, Any]:
+    out = dataclasses.asdict(config)
+    out["layer_types"] = list(config.layer_types)
+    return out

@@ -22,13 +22,13 @@ from torch import Tensor
 
 from engine.cache import CacheConfig, PrefixCache
 from engine.cache.sequence import PagedSequence
-from engine.config import HybridConfig, resolve_preset
+from engine.config import HybridConfig
 from engine.events import Admission, CacheLookup, EngineStats, Form, RequestEvent, Tier
-from engine.model.hybrid import HybridForCausalLM
+from engine.loader import load_model
+from engine.model.base import ModelLayout
 from engine.outputs import CacheReport, RequestOutput, ScoreOutput
 from engine.sampling import Sampler, SamplingParams
 from engine.telemetry import EventSink, NullSink, TelemetryClient
-from engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class LLM:
     """A hybrid-attention model with a per-form prefix cache.
 
     Args:
-        model: a preset name (``kvscope_hybrid-tiny``) or a :class:`HybridConfig`.
+        model: a preset name (``kvscope_hybrid-tiny``), a model directory (``config.json`` +
+            ``*.safetensors`` [+ ``tokenizer.json``]) or a family config (random weights).
         device: ``"auto"``, ``"cpu"`` or ``"cuda[:i]"``.
         cache: pool sizes and policies (defaults: :class:`CacheConfig`).
         telemetry: an agent URL (events are shipped by a :class:`TelemetryClient`), an
@@ -78,7 +79,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path | HybridConfig = "kvscope_hybrid-tiny",
+        model: str | Path | HybridConfig | object = "kvscope_hybrid-tiny",
         device: str = "auto",
         cache: CacheConfig | None = None,
         telemetry: str | EventSink | None = None,
@@ -86,31 +87,17 @@ class LLM:
         engine_id: str | None = None,
         check_invariants: bool = False,
     ) -> None:
-        if isinstance(model, HybridConfig):
-            self.config: HybridConfig = model
-            self.model_name = f"{model.model_type}@{model.revision}"
-        else:
-            name = str(model)
-            if Path(name).is_dir():
-                raise ValueError(f"{name}: loading model directories is not supported yet; use a preset")
-            self.model_name = name
-            self.config = resolve_preset(name)
         self.device = resolve_device(device)
+        loaded = load_model(model, self.device)
+        self.model = loaded.model
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.layout: ModelLayout = self.model.layout
+        self.config = getattr(self.model, "config", None)
+        """The family's config object (``HybridConfig``, ...), for callers that need it."""
         self.cache_config = cache or CacheConfig()
         self.engine_id = engine_id or default_engine_id()
-        self.tokenizer = ByteTokenizer()
-        torch.manual_seed(self.config.seed)
-        self.model = HybridForCausalLM(self.config)
-        self.model.init_random(self.config.seed)
-        self.model.to(self.device).eval()
-        self.cache = PrefixCache(
-            self.config,
-            self.cache_config,
-            self.model_name,
-            self.device,
-            torch.float32,
-            self.model.linear_state_shapes(),
-        )
+        self.cache = PrefixCache(self.layout, self.cache_config, self.model_name, self.device, torch.float32)
         self._check_fits(prompt_tokens=1, max_tokens=0)
         self.cache.log_plan()
         self.sink: EventSink
@@ -332,22 +319,23 @@ class LLM:
         if len(token_ids) == 0:
             raise ValueError("empty prompt: at least one token is needed")
         ids = self._ids(token_ids)
-        bad = ((ids < 0) | (ids >= self.config.vocab_size)).nonzero()
+        bad = ((ids < 0) | (ids >= self.layout.vocab_size)).nonzero()
         if len(bad):
             i = int(bad[0].item())
-            raise ValueError(f"token id {token_ids[i]} at position {i} is outside the vocabulary [0, {self.config.vocab_size})")
+            raise ValueError(f"token id {token_ids[i]} at position {i} is outside the vocabulary [0, {self.layout.vocab_size})")
         return ids
 
     def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         c = self.cache_config
         pages = -(-(prompt_tokens + max_tokens) // c.unit_tokens)
-        if "full_attention" in self.config.layer_types and pages > c.full_kv_blocks - 1:
+        if "full_attention" in self.layout.layer_types and pages > c.full_kv_blocks - 1:
             raise RequestTooLarge(
                 f"a request of {prompt_tokens} prompt + {max_tokens} output tokens needs {pages} full_kv "
                 f"pages; the pool has {c.full_kv_blocks - 1} (raise CacheConfig.full_kv_blocks)"
             )
-        window_pages = self.cache.window_pages_needed(self.config.sliding_window, max_tokens)
-        if "sliding_attention" in self.config.layer_types and window_pages > c.swa_blocks - 1:
+        window = self.layout.sliding_window
+        window_pages = self.cache.window_pages_needed(window, max_tokens) if window is not None else 0
+        if window_pages > c.swa_blocks - 1:
             raise RequestTooLarge(
                 f"a request generating {max_tokens} tokens may hold {window_pages} swa_window pages; "
                 f"the pool has {c.swa_blocks - 1} (raise CacheConfig.swa_blocks)"

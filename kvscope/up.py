@@ -27,7 +27,7 @@ from rich.console import Console
 
 from agent.store import lock_holder
 from engine.cache import CacheConfig
-from engine.config import resolve_preset
+from engine.presets import check_model_ref
 from engine.trace.formats import TraceError, load_trace
 from engine.trace.replay import ReplayConfig
 from kvscope.data import bundled_trace
@@ -58,7 +58,7 @@ def run_up(opts: UpOptions) -> int:
     requests = load_trace(trace_path)
     if not requests:
         raise TraceError(f"{trace_path}: the trace holds no requests")
-    resolve_preset(opts.model)  # an unknown model fails before anything starts
+    check_model_ref(opts.model)  # an unknown model fails before anything starts
     if opts.data_dir.exists() and not opts.data_dir.is_dir():
         raise ValueError(f"--data-dir {opts.data_dir} is a file, not a directory")
     for name, port in (("agent", opts.agent_port), ("dashboard", opts.dashboard_port)):

@@ -24,7 +24,7 @@ def assert_warm_equals_cold(llm: LLM, ids: list[int]) -> ScoreOutput:
     cold = llm.prefill_logits(ids)
     unit = llm.cache_config.unit_tokens
     assert out.resume_tokens % unit == 0 and out.resume_tokens < len(ids)
-    assert out.logits.shape == (len(ids) - out.resume_tokens, llm.config.vocab_size)
+    assert out.logits.shape == (len(ids) - out.resume_tokens, llm.layout.vocab_size)
     diff = (out.logits - cold[out.resume_tokens :]).abs().max().item()
     assert diff <= TOLERANCE[torch.float32], f"warm != cold by {diff:.3g} (L* = {out.resume_tokens}, T = {len(ids)})"
     return out

@@ -24,8 +24,8 @@ from engine.cache.coordinator import ResumePlan, plan_resume, resume_limit
 from engine.cache.forms import CacheForm, LinearCheckpointForm, PagedKVForm
 from engine.cache.hashing import BlockHash, PrefixIndex, chain_hashes, root_hash
 from engine.cache.sequence import PagedSequence
-from engine.config import HybridConfig
 from engine.events import Form
+from engine.model.base import ModelLayout
 from engine.model.state import LinearLayerState
 
 log = logging.getLogger(__name__)
@@ -53,33 +53,33 @@ class PrefixCache:
     """Every cache form of one model, sized by a :class:`CacheConfig`.
 
     Args:
-        model_config: the model whose layers the forms serve.
+        layout: the layers the forms serve (:meth:`CausalLM.layout`).
         config: pool sizes and policies.
-        model_name: part of the hash root, so two models never share a prefix.
+        model_name: part of the hash root (with the layout's revision), so two models never
+            share a prefix.
         device, dtype: where the KV pools live and their element type.
     """
 
     def __init__(
         self,
-        model_config: HybridConfig,
+        layout: ModelLayout,
         config: CacheConfig,
         model_name: str,
         device: torch.device,
         dtype: torch.dtype,
-        linear_state_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]],
     ) -> None:
         self.config = config
         self.unit_tokens = config.unit_tokens
         self.device = device
         self.index = PrefixIndex()
-        self.root = root_hash(model_name, model_config.revision, config.unit_tokens)
+        self.root = root_hash(model_name, layout.revision, config.unit_tokens)
         self.kv_forms: list[PagedKVForm] = []
         self.kv_form_of_layer: dict[int, PagedKVForm] = {}
         for form, kind, blocks, window in (
             (Form.FULL_KV, "full_attention", config.full_kv_blocks, None),
-            (Form.SWA_WINDOW, "sliding_attention", config.swa_blocks, model_config.sliding_window),
+            (Form.SWA_WINDOW, "sliding_attention", config.swa_blocks, layout.sliding_window),
         ):
-            layers = model_config.layers_of(kind)
+            layers = layout.layers_of(kind)
             if not layers:
                 continue
             kv_form = PagedKVForm(
@@ -87,8 +87,8 @@ class PrefixCache:
                 layers,
                 blocks,
                 config.unit_tokens,
-                model_config.num_key_value_heads,
-                model_config.head_dim,
+                layout.num_kv_heads,
+                layout.kv_head_dim,
                 window,
                 self.index,
                 dtype,
@@ -97,9 +97,9 @@ class PrefixCache:
             self.kv_forms.append(kv_form)
             self.kv_form_of_layer.update(dict.fromkeys(layers, kv_form))
         self.linear: LinearCheckpointForm | None = None
-        linear_layers = model_config.layers_of("linear_attention")
+        linear_layers = layout.layers_of("linear_attention")
         if linear_layers:
-            conv_shape, rec_shape = linear_state_shapes[linear_layers[0]]
+            conv_shape, rec_shape = layout.linear_state_shapes[linear_layers[0]]
             self.linear = LinearCheckpointForm(
                 linear_layers, config.linear_checkpoints, config.unit_tokens, conv_shape, rec_shape, self.index, device
             )

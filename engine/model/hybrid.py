@@ -12,8 +12,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from engine.config import HybridConfig
+from engine.config import HybridConfig, hybrid_config_from_dict
 from engine.model.attention import Attention
+from engine.model.base import CausalLM, ModelLayout
 from engine.model.gated_deltanet import GatedDeltaNet
 from engine.model.layers import RMSNorm, SwiGLU, rotary_cos_sin
 from engine.model.state import DenseState, SequenceState
@@ -44,7 +45,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridForCausalLM(nn.Module):
+class HybridForCausalLM(CausalLM):
     """forward: ``input_ids [T]`` at ``positions [T]`` with a :class:`SequenceState` →
     logits ``[T, vocab]`` (float32)."""
 
@@ -88,6 +89,20 @@ class HybridForCausalLM(nn.Module):
                 shapes[i] = (mixer.conv_state_shape, mixer.recurrent_state_shape)
         return shapes
 
+    @property
+    def layout(self) -> ModelLayout:
+        c = self.config
+        return ModelLayout(
+            model_type=c.model_type,
+            revision=c.revision,
+            vocab_size=c.vocab_size,
+            layer_types=c.layer_types,
+            num_kv_heads=c.num_key_value_heads,
+            kv_head_dim=c.head_dim,
+            sliding_window=c.sliding_window if "sliding_attention" in c.layer_types else None,
+            linear_state_shapes=self.linear_state_shapes(),
+        )
+
     def new_dense_state(self) -> DenseState:
         return DenseState(self.linear_state_shapes(), self.lm_head.weight.device)
 
@@ -97,3 +112,13 @@ class HybridForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, rope, state)
         return self.lm_head(self.norm(x)).float()
+
+
+config_from_dict = hybrid_config_from_dict
+"""The loader's entry: a :class:`HybridConfig` from a ``config.json`` mapping."""
+
+
+def build(config: HybridConfig) -> HybridForCausalLM:
+    """The loader's entry: an uninitialised model of ``config`` (weights come from a checkpoint
+    or :meth:`HybridForCausalLM.init_random`)."""
+    return HybridForCausalLM(config)

@@ -121,7 +121,7 @@ def replay(
     block_tokens = config.block_tokens
     if block_tokens is None:
         block_tokens = max(1, (todo[0].block_tokens if todo else 64) // DEFAULT_SCALE)
-    builder = PromptBuilder(block_tokens, llm.config.vocab_size, config.seed)
+    builder = PromptBuilder(block_tokens, llm.layout.vocab_size, config.seed)
     tally = ReplayTally()
     scheduled = clock()
     previous_arrival = todo[0].arrival_seconds if todo else 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import PRESETS
+from engine.config import HybridConfig
 from engine.model.attention import attention_mask
 from engine.model.gated_deltanet import (
     causal_conv1d,
@@ -19,7 +19,7 @@ from tests.helpers import TOLERANCE
 
 @pytest.fixture(scope="module")
 def model() -> HybridForCausalLM:
-    m = HybridForCausalLM(PRESETS["kvscope_hybrid-tiny"])
+    m = HybridForCausalLM(HybridConfig())
     m.init_random(0)
     return m.eval()
 

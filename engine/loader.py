@@ -1,0 +1,201 @@
+"""Loading a model: a preset name, a config object, or a Hugging-Face-style directory.
+
+A directory holds ``config.json`` (its ``model_type`` picks the family), one or more
+``*.safetensors`` files and optionally ``tokenizer.json``. Loading is strict: every parameter of
+the model must be present with its exact shape, no unknown tensor may be left over, and only
+float dtypes are accepted — each failure names the file and the tensor or field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model.base import CausalLM
+from engine.presets import PRESETS, preset_names
+from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class ModelLoadError(ValueError):
+    """A model reference or directory that cannot be loaded; the message says what and where."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """How to build one model family: its config from a ``config.json`` mapping, then the module.
+
+    ``config_from_dict`` raises ``ValueError`` naming the bad field; ``build`` returns an
+    ``nn.Module`` implementing :class:`engine.model.base.CausalLM`.
+    """
+
+    module: str
+    config_from_dict: str
+    build: str
+
+    def resolve(self) -> tuple[Callable[[Mapping[str, Any]], Any], Callable[[Any], CausalLM]]:
+        mod = importlib.import_module(self.module)
+        return getattr(mod, self.config_from_dict), getattr(mod, self.build)
+
+
+FAMILIES: Mapping[str, Family] = {
+    "kvscope_hybrid": Family("engine.model.hybrid", "config_from_dict", "build"),
+    "qwen3_next": Family("engine.model.qwen3_next", "config_from_dict", "build"),
+    "deepseek_v4": Family("engine.model.deepseek_v4", "config_from_dict", "build"),
+}
+"""``model_type`` → family."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready to run: the module (eval mode, on its device), its tokenizer and the name
+    events carry (a preset name or the directory's path)."""
+
+    model: CausalLM
+    tokenizer: Tokenizer
+    name: str
+
+
+def load_model(ref: str | Path | Any, device: torch.device) -> LoadedModel:
+    """Load a preset name, a model directory, or a family config object (random weights).
+
+    Raises:
+        ModelLoadError: an unknown preset, a missing or malformed ``config.json``, an unknown
+            ``model_type``, missing / unexpected / misshapen tensors, an unsupported dtype.
+    """
+    if not isinstance(ref, str | Path):
+        model_type = getattr(ref, "model_type", None)
+        if model_type not in FAMILIES:
+            raise ModelLoadError(f"{type(ref).__name__} is not a model config (model_type {model_type!r})")
+        return _random(ref, f"{model_type}@{getattr(ref, 'revision', 'random')}", device)
+    path = Path(ref)
+    if path.is_dir():
+        return load_directory(path, device)
+    preset = PRESETS.get(str(ref))
+    if preset is None:
+        raise ModelLoadError(f"unknown model {str(ref)!r}: not a preset ({', '.join(preset_names())}) and not a model directory")
+    if preset.directory is not None:
+        return load_directory(preset.directory, device, name=str(ref))
+    config_from_dict, _ = FAMILIES[preset.model_type].resolve()
+    return _random(config_from_dict({"model_type": preset.model_type, **preset.fields}), str(ref), device)
+
+
+def _random(config: Any, name: str, device: torch.device) -> LoadedModel:
+    _, build = FAMILIES[config.model_type].resolve()
+    model = build(config)
+    model.init_random(getattr(config, "seed", 0))
+    model.to(device).eval()
+    return LoadedModel(model, ByteTokenizer(), name)
+
+
+def load_directory(path: Path, device: torch.device, name: str | None = None) -> LoadedModel:
+    """Load ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json``) from ``path``."""
+    config_path = path / "config.json"
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no config.json (not a model directory)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{config_path}: cannot read: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_path}: expected a JSON object")
+    model_type = raw.get("model_type")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ModelLoadError(
+            f"{config_path}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    config_from_dict, build = family.resolve()
+    try:
+        config = config_from_dict({**raw, "revision": raw.get("revision") or _revision(path)})
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{config_path}: {exc}") from None
+    model = build(config)
+    _load_weights(model, path)
+    tokenizer = _tokenizer(path, config)
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, name or str(path))
+
+
+def _revision(path: Path) -> str:
+    """A content hash of the config and weights: two different checkpoints never share one."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def _load_weights(model: nn.Module, path: Path) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    expected = model.state_dict()
+    found: dict[str, tuple[Path, torch.Tensor]] = {}
+    for f in files:
+        try:
+            tensors = load_file(str(f))
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({exc})") from None
+        for key, tensor in tensors.items():
+            if key in found:
+                raise ModelLoadError(f"{f}: tensor {key} also appears in {found[key][0].name}")
+            found[key] = (f, tensor)
+    aliases = getattr(model, "tied_weights", {})  # name -> the parameter it shares storage with
+    missing = [k for k in expected if k not in found and k not in aliases]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
+    unexpected = [k for k in found if k not in expected]
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise ModelLoadError(f"{path}: unexpected tensors {', '.join(unexpected[:5])}{more}")
+    state: dict[str, torch.Tensor] = {}
+    for key, (f, tensor) in found.items():
+        want = expected[key]
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise ModelLoadError(f"{f}: tensor {key} has dtype {tensor.dtype}; supported: float32, float16, bfloat16")
+        if tuple(tensor.shape) != tuple(want.shape):
+            raise ModelLoadError(f"{f}: tensor {key} has shape {tuple(tensor.shape)}, the config needs {tuple(want.shape)}")
+        state[key] = tensor.to(want.dtype)
+    model.load_state_dict(state, strict=False)
+    for name, source in aliases.items():
+        if name not in found:
+            model.get_parameter(name).data = model.get_parameter(source).data
+
+
+def _tokenizer(path: Path, config: Any) -> Tokenizer:
+    vocab = int(config.vocab_size)
+    tok_path = path / "tokenizer.json"
+    if tok_path.exists():
+        tok: Tokenizer = HFTokenizer(tok_path)
+        if tok.vocab_size > vocab:
+            raise ModelLoadError(f"{tok_path}: {tok.vocab_size} tokens but the model's vocab_size is {vocab}")
+        return tok
+    if vocab < 256:
+        raise ModelLoadError(f"{path}: no tokenizer.json and vocab_size {vocab} < 256 cannot hold the byte tokenizer")
+    return ByteTokenizer()
+
+
+def save_directory(model: nn.Module, config_dict: Mapping[str, Any], path: Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (float32) for ``model``."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dict(config_dict), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    aliases = getattr(model, "tied_weights", {})
+    tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in model.state_dict().items() if k not in aliases}
+    save_file(tensors, str(path / "model.safetensors"))

@@ -1,0 +1,70 @@
+"""What the engine needs of a model family: its layout (for the cache) and one forward signature.
+
+Every family (``kvscope_hybrid``, ``qwen3_next``, ``deepseek_v4``) is an ``nn.Module`` that
+implements :class:`CausalLM`; the prefix cache sizes its pools from :class:`ModelLayout` alone,
+so it never depends on a family's config class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from engine.model.state import DenseState, SequenceState
+
+StateShapes = tuple[tuple[int, ...], tuple[int, ...]]
+"""(conv state shape, recurrent state shape) of one linear-attention layer."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelLayout:
+    """The per-sequence state a model keeps, layer by layer.
+
+    Attributes:
+        model_type: the family (``config.json``'s ``model_type``).
+        revision: names the weights; part of every prefix hash, so two revisions never share.
+        vocab_size: logits width.
+        layer_types: one kind per layer (DESIGN.md §3 names).
+        num_kv_heads, kv_head_dim: the KV geometry attention layers store (H_kv, D).
+        sliding_window: W of ``sliding_attention`` layers (None without such layers).
+        linear_state_shapes: per ``linear_attention`` layer index, its state shapes.
+    """
+
+    model_type: str
+    revision: str
+    vocab_size: int
+    layer_types: tuple[str, ...]
+    num_kv_heads: int
+    kv_head_dim: int
+    sliding_window: int | None
+    linear_state_shapes: Mapping[int, StateShapes] = field(default_factory=dict)
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """Indices of the layers of one kind, in model order."""
+        return tuple(i for i, k in enumerate(self.layer_types) if k == kind)
+
+
+class CausalLM(nn.Module):
+    """Base class of every model family the engine runs.
+
+    ``forward(input_ids [T], positions [T], state)`` returns float32 logits ``[T, vocab]`` and
+    updates ``state`` (KV, recurrent and compressor state) in place; parameter names follow the
+    family's reference implementation so checkpoints load as they are.
+    """
+
+    @property
+    def layout(self) -> ModelLayout:
+        raise NotImplementedError
+
+    def new_dense_state(self) -> DenseState:
+        """A cache-free state for the reference path (``LLM.prefill_logits``)."""
+        raise NotImplementedError
+
+    def init_random(self, seed: int) -> None:
+        """Deterministic random weights (tests and untrained presets)."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState) -> Tensor:
+        raise NotImplementedError
