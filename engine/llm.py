@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,8 +138,12 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         request_ids: Sequence[str] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list (text or token ids), one request after another.
+
+        ``on_token(prompt_index, token_id)`` is called for every generated token as soon as it
+        is sampled (streaming).
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, or a prompt that
@@ -152,7 +156,8 @@ class LLM:
         outputs = []
         for i, ids in enumerate(batch):
             rid = request_ids[i] if request_ids is not None else self._next_request_id()
-            r = self._run(ids, params, rid, keep_logits=False)
+            stream = (lambda token, i=i: on_token(i, token)) if on_token is not None else None
+            r = self._run(ids, params, rid, keep_logits=False, on_token=stream)
             outputs.append(
                 RequestOutput(
                     request_id=rid,
@@ -177,7 +182,14 @@ class LLM:
         self.close()
 
     # -- request execution -------------------------------------------------------------------------
-    def _run(self, token_ids: list[int], params: SamplingParams, request_id: str, keep_logits: bool) -> _RunResult:
+    def _run(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        keep_logits: bool,
+        on_token: Callable[[int], None] | None = None,
+    ) -> _RunResult:
         arrival_wall = time.time()
         t0 = time.perf_counter()
         self._as_tensor(token_ids)  # validates
@@ -197,6 +209,8 @@ class LLM:
                 outputs.append(token)
                 if len(outputs) == 1:
                     ttft = time.perf_counter() - t0
+                if on_token is not None:
+                    on_token(token)
                 if token in params.stop_token_ids or len(outputs) == params.max_tokens:
                     break
                 last = self._decode_step(seq, token)

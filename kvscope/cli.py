@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay_flags(rep)
 
     gen = sub.add_parser("generate", help="generate text")
-    gen.add_argument("--model", default="kvscope_hybrid-tiny")
+    gen.add_argument("--model", default="kvscope_hybrid-tiny", help="preset name or model directory (default: %(default)s)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -265,16 +265,30 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream the completion of ``--prompt`` to stdout as tokens are sampled."""
     from engine.llm import LLM
     from engine.sampling import SamplingParams
+    from engine.tokenizer import StreamDecoder
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model)
-        out = llm.generate(args.prompt, params)[0]
+        prompt = llm.tokenizer.encode(args.prompt)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    print(args.prompt + out.text)
+    decoder = StreamDecoder(llm.tokenizer)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+
+    def show(_index: int, token: int) -> None:
+        sys.stdout.write(decoder.push(token))
+        sys.stdout.flush()
+
+    try:
+        llm.generate([prompt], params, on_token=show)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    sys.stdout.write(decoder.finish() + "\n")
     return 0
 
 

@@ -1,0 +1,144 @@
+"""Loading model directories: a saved checkpoint round-trips exactly, every broken directory fails
+with a message naming the tensor or field, and a tokenizer.json is used when present."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.config import HybridConfig, hybrid_config_to_dict
+from engine.loader import ModelLoadError, load_model, save_directory
+from engine.model.hybrid import HybridForCausalLM
+from engine.tokenizer import HFTokenizer, StreamDecoder
+from tests.helpers import tokens
+
+CPU = torch.device("cpu")
+
+
+def saved(tmp_path: Path, config: HybridConfig | None = None) -> tuple[Path, HybridForCausalLM]:
+    config = config or HybridConfig(seed=5, revision="test")
+    model = HybridForCausalLM(config)
+    model.init_random(config.seed)
+    save_directory(model, hybrid_config_to_dict(config), tmp_path / "ckpt")
+    return tmp_path / "ckpt", model
+
+
+def test_saved_checkpoint_round_trips_exactly(tmp_path: Path) -> None:
+    path, model = saved(tmp_path)
+    llm = LLM(str(path), device="cpu")
+    ids = tokens(70, 1)
+    with torch.no_grad():
+        reference = model(torch.tensor(ids), torch.arange(70), model.new_dense_state())
+    assert torch.equal(llm.prefill_logits(ids), reference)
+    assert llm.model_name == str(path) and llm.layout.revision == "test"
+
+
+def test_revision_defaults_to_a_content_hash(tmp_path: Path) -> None:
+    path, _ = saved(tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    del raw["revision"]
+    (path / "config.json").write_text(json.dumps(raw))
+    first = load_model(path, CPU).model.layout.revision
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["norm.weight"] = tensors["norm.weight"] * 2
+    save_file(tensors, str(path / "model.safetensors"))
+    assert load_model(path, CPU).model.layout.revision != first  # other weights, other prefixes
+
+
+def break_weights(path: Path, change) -> None:
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: t.pop("layers.2.mixer.k_proj.weight"), "missing tensors layers.2.mixer.k_proj.weight"),
+        (lambda t: t.update(extra=torch.zeros(2)), "unexpected tensors extra"),
+        (lambda t: t.update({"norm.weight": torch.ones(65)}), "tensor norm.weight has shape (65,), the config needs (64,)"),
+        (lambda t: t.update({"norm.weight": torch.ones(64, dtype=torch.int8)}), "tensor norm.weight has dtype torch.int8"),
+    ],
+)
+def test_broken_weights_name_the_tensor(tmp_path: Path, change, message: str) -> None:
+    path, _ = saved(tmp_path)
+    break_weights(path, change)
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_model(path, CPU)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c.update(model_type="llama"), "model_type 'llama' is not supported; supported: deepseek_v4, kvscope_hybrid, qwen3_next"),
+        (lambda c: c.update(mystery=1), "unknown field 'mystery'"),
+        (lambda c: c.update(hidden_size="64"), "field 'hidden_size' must be an integer"),
+        (lambda c: c.update(layer_types=["full_attention", "cross_attention"]), r"layer_types\[1\] = 'cross_attention'"),
+    ],
+)
+def test_broken_config_names_the_field(tmp_path: Path, edit, message: str) -> None:
+    path, _ = saved(tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    edit(raw)
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=message) as err:
+        load_model(path, CPU)
+    assert "config.json" in str(err.value)
+
+
+def test_not_a_model_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path, CPU)
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(ModelLoadError, match="config.json: cannot read"):
+        load_model(tmp_path, CPU)
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        LLM("nope")
+
+
+def test_tokenizer_json_is_used(tmp_path: Path, shared_data: Path) -> None:
+    config = HybridConfig(vocab_size=50304, hidden_size=32, intermediate_size=64, seed=1, revision="tok")
+    path, _ = saved(tmp_path, config)
+    shutil.copy(shared_data / "tokenizers" / "20B_tokenizer.json", path / "tokenizer.json")
+    llm = LLM(str(path), device="cpu")
+    assert isinstance(llm.tokenizer, HFTokenizer) and llm.tokenizer.vocab_size == 50277
+    text = "Hello world, ünïcode"
+    assert llm.tokenizer.decode(llm.tokenizer.encode(text)) == text
+    streamed: list[str] = []
+    decoder = StreamDecoder(llm.tokenizer)
+    out = llm.generate(text, SamplingParams(max_tokens=6), on_token=lambda _i, t: streamed.append(decoder.push(t)))[0]
+    streamed.append(decoder.finish())
+    assert out.prompt_token_ids == llm.tokenizer.encode(text)
+    assert "".join(streamed) == out.text == llm.tokenizer.decode(out.output_token_ids)
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path: Path, shared_data: Path) -> None:
+    path, _ = saved(tmp_path)
+    shutil.copy(shared_data / "tokenizers" / "20B_tokenizer.json", path / "tokenizer.json")
+    with pytest.raises(ModelLoadError, match="50277 tokens but the model's vocab_size is 256"):
+        load_model(path, CPU)
+
+
+def test_byte_stream_decoder_never_splits_a_character() -> None:
+    from engine.tokenizer import ByteTokenizer
+
+    decoder = StreamDecoder(ByteTokenizer())
+    pieces = [decoder.push(b) for b in "añ€".encode()]
+    assert pieces == ["a", "", "ñ", "", "", "€"]
+    assert decoder.finish() == ""
+
+
+def test_kvscope_generate_streams_the_greedy_completion(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvscope.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--prompt", "The cache", "--max-tokens", "7"])
+    assert done.value.code == 0
+    expected = LLM("kvscope_hybrid-tiny").generate("The cache", SamplingParams(max_tokens=7))[0].text
+    assert capsys.readouterr().out == "The cache" + expected + "\n"
