@@ -93,10 +93,10 @@ def test_broken_config_names_the_field(tmp_path: Path, edit, message: str) -> No
 
 
 def test_not_a_model_directory(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(tmp_path, CPU)
     (tmp_path / "config.json").write_text("{oops")
-    with pytest.raises(ModelLoadError, match="config.json: cannot read"):
+    with pytest.raises(ModelLoadError, match=r"config\.json: cannot read"):
         load_model(tmp_path, CPU)
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         LLM("nope")
