@@ -25,6 +25,40 @@ class Preset:
 PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
         "kvscope_hybrid-tiny": Preset(model_type="kvscope_hybrid"),
+        "qwen3_next-tiny": Preset(
+            model_type="qwen3_next",
+            fields={
+                "vocab_size": 256,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 6,
+                "layer_types": [
+                    "linear_attention",
+                    "linear_attention",
+                    "full_attention",
+                    "linear_attention",
+                    "linear_attention",
+                    "full_attention",
+                ],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_conv_kernel_dim": 4,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 64,
+                "shared_expert_intermediate_size": 64,
+                "mlp_only_layers": [],
+                "decoder_sparse_step": 1,
+                "norm_topk_prob": True,
+                "revision": "random-init-0",
+            },
+        ),
     }
 )
 
