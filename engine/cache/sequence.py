@@ -31,7 +31,12 @@ from torch import Tensor
 from engine.cache.block_pool import SENTINEL_BLOCK
 from engine.cache.forms import PagedKVForm, gather_pages
 from engine.cache.hashing import BlockHash, chain_hashes
-from engine.model.state import AttentionKV, LinearLayerState
+from engine.model.state import (
+    AttentionKV,
+    CompressedLayerSpec,
+    CompressedLayerState,
+    LinearLayerState,
+)
 
 if TYPE_CHECKING:
     from engine.cache.prefix_cache import PrefixCache
@@ -70,6 +75,8 @@ class PagedSequence:
         self.published_pages = resume_tokens // self.unit_tokens
         self.released_pages: dict[PagedKVForm, int] = {f: 0 for f in cache.kv_forms}
         self.linear_states: dict[int, LinearLayerState] = {}
+        self.compressed_states: dict[int, CompressedLayerState] = {}
+        """Request-private state of CSA/HCA layers: the cache does not store these forms yet."""
         self.checkpoint_positions = checkpoint_positions
         """Where this request stores recurrent checkpoints (prefill chunks end there)."""
         self._chunk: dict[PagedKVForm, _ChunkPages] = {}
@@ -90,6 +97,26 @@ class PagedSequence:
 
     def linear(self, layer: int) -> LinearLayerState:
         return self.linear_states[layer]
+
+    def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
+        """The request-private state of a CSA/HCA layer, created empty on first use.
+
+        Raises:
+            RuntimeError: the request resumed at L* > 0 — no stored compressed state exists to
+                resume from (run with ``enable_prefix_caching=False`` until the cache stores it).
+            ValueError: ``spec`` differs from the one the state was created with.
+        """
+        state = self.compressed_states.get(layer)
+        if state is None:
+            if self.num_computed_tokens:
+                raise RuntimeError(
+                    f"layer {layer}: resuming at {self.num_computed_tokens} tokens needs stored compressed "
+                    "state, which the cache does not keep yet"
+                )
+            state = self.compressed_states[layer] = CompressedLayerState.empty(spec, self.cache.device)
+        elif state.spec != spec:
+            raise ValueError(f"layer {layer}: compressed state built for {state.spec}, asked for {spec}")
+        return state
 
     # -- chunk protocol ------------------------------------------------------------------------
     def begin_chunk(self, end: int) -> Tensor:
@@ -205,3 +232,4 @@ class PagedSequence:
                     form.pool.release(page)
             table.clear()
         self.linear_states.clear()
+        self.compressed_states.clear()

@@ -7,7 +7,7 @@ recurrent state was restored from a checkpoint). Layers only see this protocol.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
@@ -41,6 +41,187 @@ class LinearLayerState:
         return LinearLayerState(self.conv.clone(), self.recurrent.clone())
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompressorSpec:
+    """Geometry of one compressor of a DeepSeek-V4 compressed layer (the main KV compressor or
+    the CSA indexer's own compressor).
+
+    ratio: r, source tokens pooled into one compressed entry (compression ratio).
+    head_dim: D, width of one compressed entry.
+    overlapping: True for CSA (ratio-4 style): each source row is ``2·D`` wide; entry w pools
+        the second halves of group w's rows with the first halves of group w − 1's rows.
+
+    Raises:
+        ValueError: a non-positive ratio or head_dim.
+    """
+
+    ratio: int
+    head_dim: int
+    overlapping: bool
+
+    def __post_init__(self) -> None:
+        if self.ratio <= 0 or self.head_dim <= 0:
+            raise ValueError(f"compressor ratio = {self.ratio} and head_dim = {self.head_dim} must be positive")
+
+    @property
+    def row_width(self) -> int:
+        """Width F of one pending (projected) source row: ``2·D`` when overlapping, else D."""
+        return 2 * self.head_dim if self.overlapping else self.head_dim
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompressedLayerSpec:
+    """What a ``compressed_sparse_attention`` / ``heavily_compressed_attention`` layer keeps.
+
+    window: W, the sliding window of the layer's local branch (the state keeps W − 1 rows).
+    head_dim: D of the shared key/value (K = V) rows of the window.
+    compressor: the main KV compressor.
+    indexer: the indexer's compressor (CSA), None for HCA.
+    dtype: element type of every tensor of the state.
+    """
+
+    window: int
+    head_dim: int
+    compressor: CompressorSpec
+    indexer: CompressorSpec | None
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.window <= 0 or self.head_dim <= 0:
+            raise ValueError(f"window = {self.window} and head_dim = {self.head_dim} must be positive")
+        if self.indexer is not None and self.indexer.ratio != self.compressor.ratio:
+            raise ValueError(
+                f"indexer ratio {self.indexer.ratio} differs from the compressor ratio {self.compressor.ratio}"
+            )
+
+
+@dataclass(slots=True)
+class CompressorState:
+    """A compressor's state after L tokens, versioned by its boundary ``b = ⌊L/r⌋·r``.
+
+    entries: ``[N, D]`` — compressed entries for ``[0, b)`` (N = b / r), RMS-normed and rotated
+        (RoPE at position ``w·r`` for entry w); immutable once formed (``compressed_kv`` /
+        the indexer's keys of ``indexer_state``).
+    pending_kv: ``[L − b, F]`` — projected source rows of the open group (``uncompressed_tail``).
+    pending_gate: ``[L − b, F]`` — their gate logits, before the positional bias.
+    prev_kv: ``[r, D]`` — overlapping compressors once N ≥ 1: the first halves of the rows of
+        group N − 1, which entry N pools too; ``[0, D]`` otherwise.
+    prev_gate: ``[r, D]`` or ``[0, D]`` — their gate logits, before the positional bias.
+    """
+
+    entries: Tensor
+    pending_kv: Tensor
+    pending_gate: Tensor
+    prev_kv: Tensor
+    prev_gate: Tensor
+
+    @classmethod
+    def empty(cls, spec: CompressorSpec, dtype: torch.dtype, device: torch.device) -> CompressorState:
+        """The state of an empty prefix (L = 0)."""
+        d, f = spec.head_dim, spec.row_width
+        return cls(
+            entries=torch.zeros((0, d), dtype=dtype, device=device),
+            pending_kv=torch.zeros((0, f), dtype=dtype, device=device),
+            pending_gate=torch.zeros((0, f), dtype=dtype, device=device),
+            prev_kv=torch.zeros((0, d), dtype=dtype, device=device),
+            prev_gate=torch.zeros((0, d), dtype=dtype, device=device),
+        )
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.entries.shape[0])
+
+    def clone(self) -> CompressorState:
+        """An independent copy (no storage shared with this state)."""
+        return CompressorState(
+            self.entries.clone(),
+            self.pending_kv.clone(),
+            self.pending_gate.clone(),
+            self.prev_kv.clone(),
+            self.prev_gate.clone(),
+        )
+
+
+@dataclass(slots=True)
+class CompressedLayerState:
+    """Everything one CSA / HCA layer keeps for one sequence between chunks and decode steps.
+
+    num_tokens: L, the tokens this state summarises (the next chunk starts at position L).
+    window_kv: ``[min(L, W − 1), D]`` — shared K = V rows of the last tokens (``swa_window``),
+        RMS-normed and rotated; a query at L reads them plus its own row.
+    compressor: the main compressor (``compressed_kv`` + ``uncompressed_tail``).
+    indexer: the CSA indexer's compressor (``indexer_state``); None for HCA. Always at the same
+        boundary as ``compressor`` (same ratio, same tokens).
+    spec: the geometry the state was built for.
+    """
+
+    spec: CompressedLayerSpec
+    num_tokens: int
+    window_kv: Tensor
+    compressor: CompressorState
+    indexer: CompressorState | None = field(default=None)
+
+    @classmethod
+    def empty(cls, spec: CompressedLayerSpec, device: torch.device) -> CompressedLayerState:
+        """The state of an empty prefix (L = 0)."""
+        return cls(
+            spec=spec,
+            num_tokens=0,
+            window_kv=torch.zeros((0, spec.head_dim), dtype=spec.dtype, device=device),
+            compressor=CompressorState.empty(spec.compressor, spec.dtype, device),
+            indexer=None if spec.indexer is None else CompressorState.empty(spec.indexer, spec.dtype, device),
+        )
+
+    @property
+    def boundary_tokens(self) -> int:
+        """b = ⌊L/r⌋·r: the prefix the compressed entries cover (their version)."""
+        return self.compressor.num_entries * self.spec.compressor.ratio
+
+    def clone(self) -> CompressedLayerState:
+        """An independent copy (no storage shared with this state)."""
+        return CompressedLayerState(
+            self.spec,
+            self.num_tokens,
+            self.window_kv.clone(),
+            self.compressor.clone(),
+            None if self.indexer is None else self.indexer.clone(),
+        )
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` unless every tensor has the shape L and the spec imply."""
+        spec, n = self.spec, self.num_tokens
+        b = n - n % spec.compressor.ratio
+        parts: list[tuple[str, CompressorSpec, CompressorState]] = [("compressor", spec.compressor, self.compressor)]
+        if spec.indexer is not None:
+            if self.indexer is None:
+                raise RuntimeError("CSA state without its indexer state")
+            parts.append(("indexer", spec.indexer, self.indexer))
+        elif self.indexer is not None:
+            raise RuntimeError("HCA state with an indexer state")
+        want = {"window_kv": (min(n, spec.window - 1), spec.head_dim)}
+        got = {"window_kv": tuple(self.window_kv.shape)}
+        for name, cspec, cstate in parts:
+            n_entries = b // cspec.ratio
+            prev = cspec.ratio if cspec.overlapping and n_entries else 0
+            want |= {
+                f"{name}.entries": (n_entries, cspec.head_dim),
+                f"{name}.pending_kv": (n - b, cspec.row_width),
+                f"{name}.pending_gate": (n - b, cspec.row_width),
+                f"{name}.prev_kv": (prev, cspec.head_dim),
+                f"{name}.prev_gate": (prev, cspec.head_dim),
+            }
+            got |= {
+                f"{name}.entries": tuple(cstate.entries.shape),
+                f"{name}.pending_kv": tuple(cstate.pending_kv.shape),
+                f"{name}.pending_gate": tuple(cstate.pending_gate.shape),
+                f"{name}.prev_kv": tuple(cstate.prev_kv.shape),
+                f"{name}.prev_gate": tuple(cstate.prev_gate.shape),
+            }
+        bad = [f"{k} {got[k]} != {v}" for k, v in want.items() if got[k] != v]
+        if bad:
+            raise RuntimeError(f"compressed layer state at L = {n} is inconsistent: {'; '.join(bad)}")
+
+
 class SequenceState(Protocol):
     """Per-sequence state the layers read and write during one forward chunk."""
 
@@ -53,6 +234,15 @@ class SequenceState(Protocol):
         """The recurrent state of a linear layer; the layer replaces its fields in place."""
         ...
 
+    def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
+        """The state of a CSA / HCA layer (created empty, for L = 0, on first use); the layer
+        replaces its fields in place.
+
+        Raises:
+            ValueError: ``spec`` differs from the spec the state was created with.
+        """
+        ...
+
 
 class DenseState:
     """A cache-free state: KV appended to plain tensors, recurrent state from zeros.
@@ -61,7 +251,9 @@ class DenseState:
     """
 
     def __init__(self, linear_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]], device: torch.device) -> None:
+        self._device = device
         self._kv: dict[int, AttentionKV] = {}
+        self._compressed: dict[int, CompressedLayerState] = {}
         self._linear = {
             layer: LinearLayerState(
                 torch.zeros(conv_shape, dtype=torch.float32, device=device),
@@ -82,3 +274,15 @@ class DenseState:
 
     def linear(self, layer: int) -> LinearLayerState:
         return self._linear[layer]
+
+    def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
+        state = self._compressed.get(layer)
+        if state is None:
+            state = self._compressed[layer] = CompressedLayerState.empty(spec, self._device)
+        elif state.spec != spec:
+            raise ValueError(f"layer {layer}: compressed state built for {state.spec}, asked for {spec}")
+        return state
+
+    def kv(self, layer: int) -> AttentionKV | None:
+        """Every key/value stored so far for an attention layer (None before its first chunk)."""
+        return self._kv.get(layer)
