@@ -9,19 +9,34 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
+if TYPE_CHECKING:
+    from engine.model.deepseek_v4_config import DeepseekV4Config
+
+LAYER_KINDS = (
+    "full_attention",
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "linear_attention",
+)
+COMPRESSED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HybridConfig:
-    """The ``kvscope_hybrid`` research model: a decoder mixing layer kinds.
+    """The ``kvscope_hybrid`` research model: a decoder mixing every layer kind, so one model
+    exercises every cache form.
 
-    Attention layers are GQA with rotary embeddings (RoPE, half-split convention as in Llama);
-    ``sliding_attention`` layers attend to the last ``sliding_window`` tokens including the
-    current one. ``linear_attention`` layers are Gated DeltaNet (short causal conv + gated
-    delta-rule recurrence, as in Qwen3-Next).
+    ``full_attention`` / ``sliding_attention`` layers are GQA with rotary embeddings (RoPE,
+    half-split convention as in Llama); sliding layers attend to the last ``sliding_window``
+    tokens including the current one. ``compressed_sparse_attention`` /
+    ``heavily_compressed_attention`` layers are DeepSeek-V4's (shared-KV MQA with a window of
+    ``sliding_window``, sinks, a compressor of ratio ``compress_ratio_csa`` / ``_hca``, and for
+    CSA an indexer keeping ``index_topk`` entries); their geometry is the ``compressed_*``,
+    ``q_lora_rank``, ``o_*`` and ``index_*`` fields. ``linear_attention`` layers are Gated
+    DeltaNet (short causal conv + gated delta-rule recurrence, as in Qwen3-Next).
 
     Raises:
         ValueError: on an unknown layer kind or an inconsistent head layout.
@@ -34,10 +49,10 @@ class HybridConfig:
     layer_types: tuple[str, ...] = (
         "linear_attention",
         "sliding_attention",
+        "compressed_sparse_attention",
         "full_attention",
         "linear_attention",
-        "sliding_attention",
-        "full_attention",
+        "heavily_compressed_attention",
     )
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
@@ -49,6 +64,17 @@ class HybridConfig:
     linear_key_head_dim: int = 16
     linear_value_head_dim: int = 16
     linear_conv_kernel_dim: int = 4
+    compressed_head_dim: int = 32
+    compressed_rotary_factor: float = 0.5
+    compress_rope_theta: float = 160_000.0
+    compress_ratio_csa: int = 4
+    compress_ratio_hca: int = 16
+    q_lora_rank: int = 32
+    o_groups: int = 2
+    o_lora_rank: int = 16
+    index_n_heads: int = 4
+    index_head_dim: int = 16
+    index_topk: int = 4
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
     seed: int = 0
@@ -73,6 +99,15 @@ class HybridConfig:
             "linear_key_head_dim",
             "linear_value_head_dim",
             "linear_conv_kernel_dim",
+            "compressed_head_dim",
+            "compress_ratio_csa",
+            "compress_ratio_hca",
+            "q_lora_rank",
+            "o_groups",
+            "o_lora_rank",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -90,9 +125,41 @@ class HybridConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim = {self.head_dim} must be even for rotary embeddings")
 
+        if any(k in COMPRESSED_KINDS for k in self.layer_types):
+            self.deepseek_v4_config()  # validates the compressed layers' geometry now
+
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
+
+    def deepseek_v4_config(self) -> DeepseekV4Config:
+        """The V4 attention geometry of this model's CSA/HCA layers. V4 knows only its own three
+        kinds, so the other layers appear as ``sliding_attention`` there (only CSA/HCA layers are
+        built from it; the layer index stays the model's)."""
+        from engine.model.deepseek_v4_config import DeepseekV4Config
+
+        return DeepseekV4Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            layer_types=tuple(k if k in COMPRESSED_KINDS else "sliding_attention" for k in self.layer_types),
+            num_attention_heads=self.num_attention_heads,
+            head_dim=self.compressed_head_dim,
+            q_lora_rank=self.q_lora_rank,
+            partial_rotary_factor=self.compressed_rotary_factor,
+            rope_theta=self.rope_theta,
+            compress_rope_theta=self.compress_rope_theta,
+            compress_rate_csa=self.compress_ratio_csa,
+            compress_rate_hca=self.compress_ratio_hca,
+            sliding_window=self.sliding_window,
+            o_groups=self.o_groups,
+            o_lora_rank=self.o_lora_rank,
+            index_n_heads=self.index_n_heads,
+            index_head_dim=self.index_head_dim,
+            index_topk=self.index_topk,
+            rms_norm_eps=self.rms_norm_eps,
+        )
 
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """Indices of the layers of one kind, in model order."""

@@ -71,6 +71,7 @@ class Reason(enum.StrEnum):
     PROMPT_END = "prompt_end"
     KV_EVICTED = "kv_evicted"
     BELOW_GRANULARITY = "below_granularity"
+    COMPRESSED_EVICTED = "compressed_evicted"
     COMPRESSED_VERSION_MISMATCH = "compressed_version_mismatch"
     TAIL_MISSING = "tail_missing"
     TAIL_VERSION_MISMATCH = "tail_version_mismatch"

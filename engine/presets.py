@@ -59,6 +59,36 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                 "revision": "random-init-0",
             },
         ),
+        "deepseek_v4-tiny": Preset(
+            model_type="deepseek_v4",
+            fields={
+                "vocab_size": 256,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 6,
+                "layer_types": [
+                    "sliding_attention",
+                    "compressed_sparse_attention",
+                    "heavily_compressed_attention",
+                    "sliding_attention",
+                    "compressed_sparse_attention",
+                    "heavily_compressed_attention",
+                ],
+                "mlp_layer_types": ["dense"] * 6,
+                "num_attention_heads": 4,
+                "head_dim": 32,
+                "q_lora_rank": 32,
+                "partial_rotary_factor": 0.5,
+                "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+                "sliding_window": 16,
+                "o_groups": 2,
+                "o_lora_rank": 16,
+                "index_n_heads": 4,
+                "index_head_dim": 16,
+                "index_topk": 4,
+                "revision": "random-init-0",
+            },
+        ),
     }
 )
 

@@ -16,6 +16,8 @@ class CacheConfig:
         swa_blocks: pages in the ``swa_window`` pool (all sliding layers share a page id).
         linear_checkpoints: slots in the ``linear_state`` checkpoint pool (one slot holds the
             conv and recurrent state of every linear layer at one boundary).
+        compressed_snapshots: slots in the ``compressed_kv`` snapshot pool (one slot holds the
+            whole state of every CSA/HCA layer at one boundary).
         checkpoint_interval_tokens: a recurrent checkpoint is taken at every multiple of this
             (a multiple of U) during prefill, plus at the last U boundary strictly before the
             prompt end (the resume point a follow-up request needs).
@@ -30,6 +32,7 @@ class CacheConfig:
     full_kv_blocks: int = 4096
     swa_blocks: int = 512
     linear_checkpoints: int = 128
+    compressed_snapshots: int = 128
     checkpoint_interval_tokens: int = 128
     max_prefill_chunk_tokens: int = 512
     enable_prefix_caching: bool = True
@@ -40,6 +43,7 @@ class CacheConfig:
             "full_kv_blocks",
             "swa_blocks",
             "linear_checkpoints",
+            "compressed_snapshots",
             "checkpoint_interval_tokens",
             "max_prefill_chunk_tokens",
         ):
@@ -56,5 +60,6 @@ class CacheConfig:
                 f"CacheConfig.max_prefill_chunk_tokens = {self.max_prefill_chunk_tokens} is not "
                 f"a multiple of unit_tokens = {self.unit_tokens}"
             )
-        if self.linear_checkpoints < 2:
-            raise ValueError("CacheConfig.linear_checkpoints must be at least 2 (one is the sentinel)")
+        for name in ("linear_checkpoints", "compressed_snapshots"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"CacheConfig.{name} must be at least 2 (one is the sentinel)")

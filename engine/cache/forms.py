@@ -24,7 +24,7 @@ from torch import Tensor
 from engine.cache.block_pool import BlockPool
 from engine.cache.hashing import BlockHash, PrefixIndex
 from engine.events import Form, Reason
-from engine.model.state import LinearLayerState
+from engine.model.state import CompressedLayerState, CompressorState, LinearLayerState
 
 
 class PagedKVForm:
@@ -157,7 +157,74 @@ class LinearCheckpointForm:
         }
 
 
-CacheForm = PagedKVForm | LinearCheckpointForm
+class CompressedSnapshotForm:
+    """Snapshots of every compressed (CSA/HCA) layer's whole state at one boundary — its window
+    rows, compressed entries, uncompressed tail and indexer — keyed by the hash of the prefix
+    they summarise, taken where recurrent checkpoints are taken.
+
+    A snapshot carries all three compressed objects of DESIGN.md §3 together, at the same
+    boundary version by construction, so the index can never lag the KV nor the tail miss; it is
+    reported as the ``compressed_kv`` form. Its size grows with the prefix (the entries are
+    copied into every snapshot), so slots hold tensors of any length rather than fixed pages.
+    """
+
+    form = Form.COMPRESSED_KV
+
+    def __init__(self, layers: tuple[int, ...], num_slots: int, unit_tokens: int, index: PrefixIndex) -> None:
+        self.layers = layers
+        self.unit_tokens = unit_tokens
+        self.pool = BlockPool(self.form.value, num_slots, index.add, index.remove)
+        self.slots: list[dict[int, CompressedLayerState] | None] = [None] * num_slots
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Mean bytes of the stored snapshots (they differ in size)."""
+        held = [s for s in self.slots if s is not None]
+        return sum(snapshot_bytes(s) for s in held) // len(held) if held else 0
+
+    def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
+        """Largest multiple of U ≤ ``limit_tokens`` with a snapshot exactly there (or 0)."""
+        u = self.unit_tokens
+        for cand in range(limit_tokens - limit_tokens % u, 0, -u):
+            if self.pool.lookup(hashes[cand // u - 1]) is not None:
+                return cand
+        return 0
+
+    def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
+        """``compressed_evicted`` if the snapshot there was evicted, else ``below_granularity``
+        (snapshots exist only at checkpoint positions)."""
+        if self.pool.was_evicted(hashes[resume_tokens // self.unit_tokens - 1]):
+            return Reason.COMPRESSED_EVICTED
+        return Reason.BELOW_GRANULARITY
+
+    def read(self, slot: int) -> dict[int, CompressedLayerState]:
+        snapshot = self.slots[slot]
+        if snapshot is None:
+            raise RuntimeError(f"compressed_kv: slot {slot} is leased but holds no snapshot")
+        return {layer: state.clone() for layer, state in snapshot.items()}
+
+    def write(self, slot: int, states: dict[int, CompressedLayerState]) -> None:
+        missing = set(self.layers) - set(states)
+        if missing:
+            raise RuntimeError(f"compressed_kv: no state for layers {sorted(missing)} at a snapshot")
+        self.slots[slot] = {layer: states[layer].clone() for layer in self.layers}
+
+
+def snapshot_bytes(snapshot: dict[int, CompressedLayerState]) -> int:
+    total = 0
+    for state in snapshot.values():
+        parts = [state.window_kv, *vars_of(state.compressor)]
+        if state.indexer is not None:
+            parts.extend(vars_of(state.indexer))
+        total += sum(t.numel() * t.element_size() for t in parts)
+    return total
+
+
+def vars_of(state: CompressorState) -> tuple[Tensor, ...]:
+    return (state.entries, state.pending_kv, state.pending_gate, state.prev_kv, state.prev_gate)
+
+
+CacheForm = PagedKVForm | LinearCheckpointForm | CompressedSnapshotForm
 
 
 def gather_pages(kv: Tensor, pages: Tensor, slot: int, first_token: int, num_tokens: int) -> tuple[Tensor, Tensor]:

@@ -21,12 +21,12 @@ import torch
 from engine.cache.block_pool import SENTINEL_BLOCK, PoolExhausted
 from engine.cache.config import CacheConfig
 from engine.cache.coordinator import ResumePlan, plan_resume, resume_limit
-from engine.cache.forms import CacheForm, LinearCheckpointForm, PagedKVForm
+from engine.cache.forms import CacheForm, CompressedSnapshotForm, LinearCheckpointForm, PagedKVForm
 from engine.cache.hashing import BlockHash, PrefixIndex, chain_hashes, root_hash
 from engine.cache.sequence import PagedSequence
 from engine.events import Form
 from engine.model.base import ModelLayout
-from engine.model.state import LinearLayerState
+from engine.model.state import CompressedLayerState, LinearLayerState
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +103,28 @@ class PrefixCache:
             self.linear = LinearCheckpointForm(
                 linear_layers, config.linear_checkpoints, config.unit_tokens, conv_shape, rec_shape, self.index, device
             )
+        self.compressed: CompressedSnapshotForm | None = None
+        if layout.compressed_state_specs:
+            self.compressed = CompressedSnapshotForm(
+                tuple(sorted(layout.compressed_state_specs)), config.compressed_snapshots, config.unit_tokens, self.index
+            )
         forms: list[CacheForm] = list(self.kv_forms)
-        if self.linear is not None:
-            forms.append(self.linear)
+        forms += [f for f in (self.compressed, self.linear) if f is not None]
         self.forms: tuple[CacheForm, ...] = tuple(forms)
+
+    @property
+    def has_checkpoint_forms(self) -> bool:
+        """Whether some form resumes only at stored checkpoints (recurrent or compressed
+        state): then resume points are the checkpoint positions, not every U boundary."""
+        return self.linear is not None or self.compressed is not None
 
     # -- reporting -----------------------------------------------------------------------------
     def resume_granularity(self) -> dict[Form, int]:
         """The coarsest spacing (tokens) between positions each form can resume at."""
         out = {f.form: self.unit_tokens for f in self.kv_forms}
-        if self.linear is not None:
-            out[Form.LINEAR_STATE] = self.config.checkpoint_interval_tokens
+        for f in (self.compressed, self.linear):
+            if f is not None:
+                out[f.form] = self.config.checkpoint_interval_tokens
         return out
 
     def log_plan(self) -> None:
@@ -191,6 +202,15 @@ class PrefixCache:
                         seq.linear_states = self.linear.read(slot)
                     finally:
                         self.linear.pool.release(slot)
+            if self.compressed is not None and resume:
+                slot = self.compressed.pool.lookup(hashes[resume // u - 1])
+                if slot is None:
+                    raise RuntimeError(f"compressed_kv: snapshot at {resume} vanished before its lease")
+                self.compressed.pool.lease(slot)
+                try:
+                    seq.compressed_states = self.compressed.read(slot)
+                finally:
+                    self.compressed.pool.release(slot)
         except BaseException:
             seq.finish()  # give back the leases taken so far
             raise
@@ -228,25 +248,32 @@ class PrefixCache:
         slot = form.pool.lookup(seq.hashes[resume_tokens // self.unit_tokens - 1])
         return form.pool.epoch[slot] if slot is not None else 0
 
-    def save_checkpoint(self, h: BlockHash, states: dict[int, LinearLayerState]) -> bool:
-        """Store a copy of the recurrent state summarising the prefix named by ``h``.
+    def save_checkpoint(
+        self,
+        h: BlockHash,
+        linear_states: dict[int, LinearLayerState],
+        compressed_states: dict[int, CompressedLayerState],
+    ) -> bool:
+        """Store copies of the recurrent and compressed state summarising the prefix named by
+        ``h`` (each checkpoint form of the model).
 
-        Returns whether a checkpoint of that prefix exists afterwards (stored now or before);
-        False when the model has no linear layers or every slot is leased.
+        Returns whether every checkpoint form holds that prefix afterwards (stored now or
+        before); False when the model has none or a pool has every slot leased.
         """
-        if self.linear is None:
-            return False
-        if self.linear.pool.lookup(h) is not None:
-            return True
-        try:
-            slot = self.linear.pool.allocate()
-        except PoolExhausted:
-            log.warning("linear_state: every checkpoint slot is leased; checkpoint skipped")
-            return False
-        self.linear.write(slot, states)
-        self.linear.pool.publish(slot, h)
-        self.linear.pool.release(slot)
-        return True
+        stored = self.has_checkpoint_forms
+        for form, states in ((self.linear, linear_states), (self.compressed, compressed_states)):
+            if form is None or form.pool.lookup(h) is not None:
+                continue
+            try:
+                slot = form.pool.allocate()
+            except PoolExhausted:
+                log.warning("%s: every slot is leased; checkpoint skipped", form.form)
+                stored = False
+                continue
+            form.write(slot, states)  # type: ignore[arg-type]
+            form.pool.publish(slot, h)
+            form.pool.release(slot)
+        return stored
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every pool is consistent and the prefix index counts

@@ -76,7 +76,7 @@ class PagedSequence:
         self.released_pages: dict[PagedKVForm, int] = {f: 0 for f in cache.kv_forms}
         self.linear_states: dict[int, LinearLayerState] = {}
         self.compressed_states: dict[int, CompressedLayerState] = {}
-        """Request-private state of CSA/HCA layers: the cache does not store these forms yet."""
+        """The request's own copy of every CSA/HCA layer's state (snapshots are copies too)."""
         self.checkpoint_positions = checkpoint_positions
         """Where this request stores recurrent checkpoints (prefill chunks end there)."""
         self._chunk: dict[PagedKVForm, _ChunkPages] = {}
@@ -99,20 +99,17 @@ class PagedSequence:
         return self.linear_states[layer]
 
     def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
-        """The request-private state of a CSA/HCA layer, created empty on first use.
+        """The state of a CSA/HCA layer: restored from the snapshot at L* by
+        :meth:`PrefixCache.start`, or created empty on first use at L* = 0.
 
         Raises:
-            RuntimeError: the request resumed at L* > 0 — no stored compressed state exists to
-                resume from (run with ``enable_prefix_caching=False`` until the cache stores it).
+            RuntimeError: no state for this layer although the request resumed at L* > 0.
             ValueError: ``spec`` differs from the one the state was created with.
         """
         state = self.compressed_states.get(layer)
         if state is None:
             if self.num_computed_tokens:
-                raise RuntimeError(
-                    f"layer {layer}: resuming at {self.num_computed_tokens} tokens needs stored compressed "
-                    "state, which the cache does not keep yet"
-                )
+                raise RuntimeError(f"layer {layer}: resumed at {self.num_computed_tokens} tokens without its compressed state")
             state = self.compressed_states[layer] = CompressedLayerState.empty(spec, self.cache.device)
         elif state.spec != spec:
             raise ValueError(f"layer {layer}: compressed state built for {state.spec}, asked for {spec}")
@@ -169,8 +166,10 @@ class PagedSequence:
                 for form, table in self.tables.items():
                     if table[page] != SENTINEL_BLOCK and self._page_backs_a_resume_point(form, page):
                         form.pool.publish(table[page], self.hashes[page])
-            if take_checkpoint and end % u == 0 and self.cache.save_checkpoint(self.hashes[end // u - 1], self.linear_states):
-                self.last_checkpoint_tokens = end
+            if take_checkpoint and end % u == 0:
+                h = self.hashes[end // u - 1]
+                if self.cache.save_checkpoint(h, self.linear_states, self.compressed_states):
+                    self.last_checkpoint_tokens = end
         self.published_pages = max(self.published_pages, full_pages)
         self._trim_windows()
 
@@ -183,7 +182,7 @@ class PagedSequence:
         layers a resume point needs a checkpoint, so a window page is worth publishing only if it
         lies in the window before one of this request's checkpoint positions (case C12). A page
         that backs nothing is returned unpublished and reused first."""
-        if form.window is None or self.cache.linear is None:
+        if form.window is None or not self.cache.has_checkpoint_forms:
             return True
         return any(form.needed_pages(c).start <= page < c // self.unit_tokens for c in self.checkpoint_positions)
 
@@ -193,7 +192,7 @@ class PagedSequence:
         boundary; with prefix caching off, nothing is kept for later (the current position)."""
         if not self.cache.config.enable_prefix_caching:
             return self.num_computed_tokens
-        if self.cache.linear is None:
+        if not self.cache.has_checkpoint_forms:
             return self.num_computed_tokens - self.num_computed_tokens % self.unit_tokens
         return min(self.last_checkpoint_tokens, self.num_computed_tokens)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from engine.model.state import DenseState, SequenceState
+from engine.model.state import CompressedLayerSpec, DenseState, SequenceState
 
 StateShapes = tuple[tuple[int, ...], tuple[int, ...]]
 """(conv state shape, recurrent state shape) of one linear-attention layer."""
@@ -30,6 +30,8 @@ class ModelLayout:
         num_kv_heads, kv_head_dim: the KV geometry attention layers store (H_kv, D).
         sliding_window: W of ``sliding_attention`` layers (None without such layers).
         linear_state_shapes: per ``linear_attention`` layer index, its state shapes.
+        compressed_state_specs: per CSA/HCA layer index, the geometry of the state it keeps
+            (window rows, compressed entries, uncompressed tail, indexer).
     """
 
     model_type: str
@@ -40,6 +42,7 @@ class ModelLayout:
     kv_head_dim: int
     sliding_window: int | None
     linear_state_shapes: Mapping[int, StateShapes] = field(default_factory=dict)
+    compressed_state_specs: Mapping[int, CompressedLayerSpec] = field(default_factory=dict)
 
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """Indices of the layers of one kind, in model order."""

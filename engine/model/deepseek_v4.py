@@ -124,6 +124,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             num_kv_heads=1,
             kv_head_dim=c.head_dim,
             sliding_window=c.sliding_window if "sliding_attention" in c.layer_types else None,
+            compressed_state_specs=self.compressed_state_specs(),
         )
 
     def new_dense_state(self) -> DenseState:

@@ -12,9 +12,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from engine.config import HybridConfig, hybrid_config_from_dict
+from engine.config import COMPRESSED_KINDS, HybridConfig, hybrid_config_from_dict
 from engine.model.attention import Attention
 from engine.model.base import CausalLM, ModelLayout
+from engine.model.deepseek_v4_attention import DeepseekV4Attention
 from engine.model.gated_deltanet import GatedDeltaNet
 from engine.model.layers import RMSNorm, SwiGLU, rotary_cos_sin
 from engine.model.state import DenseState, SequenceState
@@ -27,9 +28,11 @@ class DecoderLayer(nn.Module):
         self.kind = kind
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mixer: Attention | GatedDeltaNet
+        self.mixer: Attention | GatedDeltaNet | DeepseekV4Attention
         if kind == "linear_attention":
             self.mixer = GatedDeltaNet(config, layer)
+        elif kind in COMPRESSED_KINDS:
+            self.mixer = DeepseekV4Attention(config.deepseek_v4_config(), layer)
         else:
             window = config.sliding_window if kind == "sliding_attention" else None
             self.mixer = Attention(config, layer, window)
@@ -39,6 +42,8 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         if isinstance(self.mixer, GatedDeltaNet):
             h = self.mixer(h, state)
+        elif isinstance(self.mixer, DeepseekV4Attention):
+            h = self.mixer(h, positions, state)
         else:
             h = self.mixer(h, positions, rope, state)
         x = x + h
@@ -67,6 +72,8 @@ class HybridForCausalLM(CausalLM):
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith("norm_weight"):
                     p.fill_(1.0)
+                elif name.endswith("sinks") or name.endswith("position_bias"):
+                    p.zero_()  # V4's attention sinks and compressor positional biases start at 0
                 elif name.endswith("A_log"):
                     p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
                 elif name.endswith("dt_bias"):
@@ -101,6 +108,11 @@ class HybridForCausalLM(CausalLM):
             kv_head_dim=c.head_dim,
             sliding_window=c.sliding_window if "sliding_attention" in c.layer_types else None,
             linear_state_shapes=self.linear_state_shapes(),
+            compressed_state_specs={
+                i: layer.mixer.state_spec()
+                for i, layer in enumerate(self.layers)
+                if isinstance(layer.mixer, DeepseekV4Attention)
+            },
         )
 
     def new_dense_state(self) -> DenseState:

@@ -20,7 +20,7 @@ from tests.helpers import free_port
 pytestmark = pytest.mark.e2e
 
 KVSCOPE = [sys.executable, "-m", "kvscope"]
-FORMS = {"full_kv", "swa_window", "linear_state"}
+FORMS = {"full_kv", "swa_window", "compressed_kv", "linear_state"}
 
 
 def read_json_line(proc: subprocess.Popen[str], timeout: float) -> dict:
@@ -62,7 +62,7 @@ def test_up_serves_metrics_sql_and_dashboard(tmp_path: Path) -> None:
         requests_total = [ln for ln in metrics.splitlines() if ln.startswith("kvscope_requests_total{")]
         assert len(requests_total) == 1 and requests_total[0].endswith(" 6.0")
         lookups = [ln for ln in metrics.splitlines() if ln.startswith("kvscope_cache_lookups_total{")]
-        assert sum(float(ln.rsplit(" ", 1)[1]) for ln in lookups) == 18.0
+        assert sum(float(ln.rsplit(" ", 1)[1]) for ln in lookups) == 6.0 * len(FORMS)
         assert {f'form="{f}"' in metrics for f in FORMS} == {True}
 
         body = httpx.post(agent + "/v1/sql", json={"sql": "SELECT count(*) AS n, sum(recoverable_tokens) AS r FROM requests"}, timeout=10).json()

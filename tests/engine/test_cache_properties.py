@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from engine import LLM, CacheConfig, SamplingParams
 from engine.cache.coordinator import resume_limit
-from engine.cache.forms import LinearCheckpointForm, PagedKVForm
+from engine.cache.forms import CompressedSnapshotForm, LinearCheckpointForm, PagedKVForm
 from engine.config import HybridConfig
 from engine.events import SCHEMA_VERSION, EventBatch, Outcome, Reason, decode_batch, encode_batch
 from engine.llm import RequestTooLarge
@@ -58,13 +58,13 @@ class InjectedFault(RuntimeError):
 
 # -- oracles ---------------------------------------------------------------------------------------
 def form_valid_at(
-    form: PagedKVForm | LinearCheckpointForm, hashes: Sequence[bytes], length: int
+    form: PagedKVForm | LinearCheckpointForm | CompressedSnapshotForm, hashes: Sequence[bytes], length: int
 ) -> bool:
     """Independent restatement of each form's exact-resume rule (docs/cache-forms.md)."""
     if length == 0:
         return True
     pool = form.pool
-    if isinstance(form, LinearCheckpointForm):
+    if isinstance(form, LinearCheckpointForm | CompressedSnapshotForm):
         return pool.lookup(hashes[length // U - 1]) is not None
     if form.window is None:
         return all(pool.lookup(hashes[p]) is not None for p in range(length // U))
@@ -162,6 +162,7 @@ class Auditor:
                     )
                     if end % U == 0:
                         at[end] = {k: v.clone() for k, v in state._linear.items()}
+                        at[end] |= {("c", k): v.clone() for k, v in state._compressed.items()}
             found = self._dense[ids] = (state, at)
         return found
 
@@ -189,6 +190,28 @@ class Auditor:
                     assert max(dk, dv) <= TOL, (
                         f"{form.form}: block {block} (page {page}) layer {layer} differs from a "
                         f"cold run by {max(dk, dv):.3g}"
+                    )
+        snapshots = cache.compressed
+        for slot in range(1, 0 if snapshots is None else snapshots.pool.num_blocks):
+            assert snapshots is not None
+            h = snapshots.pool.block_hash[slot]
+            if h is None:
+                continue
+            seq, pages = self.prefix_of[h]
+            _, at = self.dense(seq)
+            for layer, stored in (snapshots.slots[slot] or {}).items():
+                ref = at[pages * U][("c", layer)]
+                assert stored.num_tokens == ref.num_tokens == pages * U
+                pairs = [("window_kv", stored.window_kv, ref.window_kv)]
+                for name in ("compressor", "indexer"):
+                    mine, theirs = getattr(stored, name), getattr(ref, name)
+                    assert (mine is None) == (theirs is None)
+                    if mine is not None:
+                        pairs += [(f"{name}.{f}", getattr(mine, f), getattr(theirs, f)) for f in
+                                  ("entries", "pending_kv", "pending_gate", "prev_kv", "prev_gate")]  # fmt: skip
+                for name, a, b in pairs:
+                    assert a.shape == b.shape and (a - b).abs().max().item() <= TOL if a.numel() else a.shape == b.shape, (
+                        f"compressed_kv: snapshot in slot {slot} ({pages * U} tokens) layer {layer} {name} differs from a cold run"
                     )
         lin = cache.linear
         if lin is None:
@@ -390,6 +413,7 @@ COMMON = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=not RANDOM,
+    database=None,
 )
 
 
@@ -401,11 +425,23 @@ def test_random_request_streams_warm_equals_cold(scenario) -> None:
 
 
 # -- other model geometries: windows not a multiple of U, smaller than U, wider than a chunk --------
+THREE_KINDS = ("linear_attention", "sliding_attention", "full_attention", "linear_attention", "sliding_attention")
 GEOMETRIES = {
     "w40": HybridConfig(sliding_window=40, revision="w40"),
     "w8": HybridConfig(sliding_window=8, revision="w8"),
-    "w1": HybridConfig(sliding_window=1, revision="w1"),
+    "w1": HybridConfig(layer_types=THREE_KINDS, sliding_window=1, revision="w1"),
     "w100": HybridConfig(sliding_window=100, revision="w100"),
+    "csa-hca-r8": HybridConfig(
+        layer_types=("compressed_sparse_attention", "linear_attention", "heavily_compressed_attention"),
+        compress_ratio_hca=8,
+        sliding_window=24,
+        revision="csa-hca",
+    ),
+    "v4-only": HybridConfig(
+        layer_types=("heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"),
+        sliding_window=20,
+        revision="v4-only",
+    ),
     "swa-lin": HybridConfig(
         layer_types=("sliding_attention", "linear_attention", "sliding_attention"),
         sliding_window=24,

@@ -60,7 +60,7 @@ def break_weights(path: Path, change) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda t: t.pop("layers.2.mixer.k_proj.weight"), "missing tensors layers.2.mixer.k_proj.weight"),
+        (lambda t: t.pop("layers.3.mixer.k_proj.weight"), "missing tensors layers.3.mixer.k_proj.weight"),
         (lambda t: t.update(extra=torch.zeros(2)), "unexpected tensors extra"),
         (lambda t: t.update({"norm.weight": torch.ones(65)}), "tensor norm.weight has shape (65,), the config needs (64,)"),
         (lambda t: t.update({"norm.weight": torch.ones(64, dtype=torch.int8)}), "tensor norm.weight has dtype torch.int8"),

@@ -40,6 +40,7 @@ def test_resume_points_are_exact(llm: LLM) -> None:
     assert {(f.form, f.outcome) for f in out.forms} == {
         (Form.FULL_KV, Outcome.HIT),
         (Form.SWA_WINDOW, Outcome.HIT),
+        (Form.COMPRESSED_KV, Outcome.HIT),
         (Form.LINEAR_STATE, Outcome.HIT),
     }
 
@@ -133,7 +134,7 @@ def test_events_one_lookup_per_form_and_one_request() -> None:
     lookups = [e for e in sink.events if isinstance(e, CacheLookup)]
     requests = [e for e in sink.events if isinstance(e, RequestEvent)]
     assert [(e.request_id, e.form) for e in lookups] == [
-        (r, f) for r in ("r1", "r2") for f in (Form.FULL_KV, Form.SWA_WINDOW, Form.LINEAR_STATE)
+        (r, f) for r in ("r1", "r2") for f in (Form.FULL_KV, Form.SWA_WINDOW, Form.COMPRESSED_KV, Form.LINEAR_STATE)
     ]
     assert [r.request_id for r in requests] == ["r1", "r2"]
     r2 = requests[1]

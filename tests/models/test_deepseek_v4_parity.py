@@ -302,9 +302,9 @@ def _state_diff(a: CompressedLayerState, b: CompressedLayerState) -> float:
 
 
 def test_cached_path_cold_equals_reference() -> None:
-    """Through the engine (paged swa_window pages for sliding layers, request-private compressed
-    state), a cold request in several chunks equals the dense reference; resuming at L* > 0 is
-    refused loudly because the cache does not store compressed state yet."""
+    """Through the engine (paged swa_window pages for sliding layers, compressed state restored
+    from snapshots), a cold request in several chunks equals the dense reference, and so does a
+    follow-up that resumes at L* > 0; prefix caching off runs cold too."""
     config = small_model().config
     cache = CacheConfig(unit_tokens=4, max_prefill_chunk_tokens=8, swa_blocks=64, checkpoint_interval_tokens=8)
     ids = torch.randint(0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -314,8 +314,10 @@ def test_cached_path_cold_equals_reference() -> None:
     assert cold.resume_tokens == 0
     diff = (cold.logits - llm.prefill_logits(ids)).abs().max().item()
     assert diff <= ATOL
-    with pytest.raises(RuntimeError, match="compressed state"):
-        llm.score([*ids[:30], 1, 2, 3])
+    follow_up = [*ids[:30], 1, 2, 3]
+    warm = llm.score(follow_up)
+    assert warm.resume_tokens > 0
+    assert (warm.logits - llm.prefill_logits(follow_up)[warm.resume_tokens :]).abs().max().item() <= ATOL
     llm.cache.check_invariants()
     uncached = LLM(config, device="cpu", cache=CacheConfig(enable_prefix_caching=False))
     uncached.model.load_state_dict(llm.model.state_dict())
