@@ -1,5 +1,7 @@
 """Named models: tiny random-weight configs of every family, and trained checkpoints shipped with
-kvscope (``engine/weights/<name>/``). ``engine.LLM(model=NAME)`` accepts these names."""
+kvscope (``engine/weights/<name>/``, each with a MODEL_CARD.md; trained by ``python -m
+engine.train`` from ``engine/train_configs/<name>.json``). ``engine.LLM(model=NAME)`` accepts
+these names."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ class Preset:
 
 PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
+        "kvscope_hybrid-small": Preset(model_type="kvscope_hybrid", directory=WEIGHTS_DIR / "kvscope_hybrid-small"),
+        "qwen3_next-small": Preset(model_type="qwen3_next", directory=WEIGHTS_DIR / "qwen3_next-small"),
         "kvscope_hybrid-tiny": Preset(model_type="kvscope_hybrid"),
         "qwen3_next-tiny": Preset(
             model_type="qwen3_next",

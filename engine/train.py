@@ -193,6 +193,8 @@ Held out: the last {HELD_OUT_BYTES:,} bytes of Tiny Shakespeare.
 
 ## Training
 
+Reproduce: `python -m engine.train --family {family} --config engine/train_configs/{name}.json --out engine/weights/{name} --steps {summary["steps"]} --batch {args.batch} --context {args.context} --lr {args.lr} --seed {args.seed}`
+
 - steps: {summary["steps"]}, batch {args.batch} windows of {args.context} bytes ({summary["tokens_seen"]:,} bytes seen)
 - AdamW (β = 0.9, 0.95; weight decay 0.1 on matrices), peak learning rate {args.lr}, linear warm-up then cosine decay to 10 %, gradient clipping 1.0
 - seed {args.seed}; {platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}
@@ -207,7 +209,7 @@ Measured on the last {SCORED_BYTES} bytes of consecutive held-out windows of eac
 baseline (add-one smoothing, estimated on the training bytes in the same run) is scored on the
 same bytes.
 
-| context (bytes) | model | byte bigram | model − bigram |
+| context (bytes) | model | byte bigram | bigram − model |
 |---|---|---|---|
 {rows}
 """

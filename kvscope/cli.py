@@ -45,7 +45,7 @@ def _positive_float(text: str) -> float:
 
 
 def _add_replay_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="kvscope_hybrid-tiny", help="preset name (default: %(default)s)")
+    p.add_argument("--model", default="kvscope_hybrid-small", help="preset name or model directory (default: %(default)s, trained)")
     p.add_argument("--speed", type=_positive_float, default=30.0, help="trace seconds per wall second (default: %(default)s)")
     p.add_argument("--max-wait-seconds", type=float, default=1.0, help="cap on one wait between arrivals (default: %(default)s)")
     p.add_argument("--max-requests", type=_positive_int, default=None, help="stop after N requests")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay_flags(rep)
 
     gen = sub.add_parser("generate", help="generate text")
-    gen.add_argument("--model", default="kvscope_hybrid-tiny", help="preset name or model directory (default: %(default)s)")
+    gen.add_argument("--model", default="kvscope_hybrid-small", help="preset name or model directory (default: %(default)s, trained)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -65,7 +65,7 @@ def sink_attention(q: Tensor, keys: Tensor, visible: Tensor, sinks: Tensor, scal
     logits = logits.masked_fill(~visible, float("-inf"))
     sink = sinks.to(logits.dtype).view(h, 1, 1).expand(h, t, 1)
     combined = torch.cat((logits, sink), dim=-1)
-    combined = combined - combined.amax(dim=-1, keepdim=True)
+    combined = combined - combined.amax(dim=-1, keepdim=True).detach()  # a constant shift: no gradient needed
     probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
     return torch.matmul(probs, keys).transpose(0, 1)
 

@@ -140,5 +140,5 @@ def test_kvscope_generate_streams_the_greedy_completion(capsys: pytest.CaptureFi
     with pytest.raises(SystemExit) as done:
         main(["generate", "--prompt", "The cache", "--max-tokens", "7"])
     assert done.value.code == 0
-    expected = LLM("kvscope_hybrid-tiny").generate("The cache", SamplingParams(max_tokens=7))[0].text
+    expected = LLM("kvscope_hybrid-small").generate("The cache", SamplingParams(max_tokens=7))[0].text
     assert capsys.readouterr().out == "The cache" + expected + "\n"
