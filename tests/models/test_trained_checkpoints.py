@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.events import Form
 from engine.presets import PRESETS
 from engine.train import SCORED_BYTES, bigram_bits_per_byte, held_out_bits_per_byte, load_corpus
 from tests.helpers import TOLERANCE
@@ -45,12 +46,15 @@ def test_held_out_margin_measured_again(name: str, shared_data: Path) -> None:
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_generates_recognisable_english(name: str) -> None:
+    """Sampled as the README shows (temperature 0.7; a fixed seed): printable text made largely
+    of common English words. (Greedy decoding of models this small loops on a few words.)"""
     llm = LLM(name, device="cpu")
-    text = llm.generate("ROMEO:\n", SamplingParams(max_tokens=200))[0].text
+    text = llm.generate("ROMEO:\n", SamplingParams(max_tokens=200, temperature=0.7, seed=1))[0].text
     printable = sum(ch.isascii() and (ch.isprintable() or ch == "\n") for ch in text) / max(1, len(text))
     words = re.findall(r"[a-z]+", text.lower())
     assert printable > 0.97, text
-    assert len(set(words) & COMMON_WORDS) >= 3, text
+    assert len(set(words) & COMMON_WORDS) >= 5, text
+    assert sum(w in COMMON_WORDS for w in words) >= 0.25 * len(words), text
 
 
 def test_trained_hybrid_resumes_exactly_through_every_form() -> None:
@@ -61,5 +65,6 @@ def test_trained_hybrid_resumes_exactly_through_every_form() -> None:
     follow_up = [*first, *b"It is the east, and Juliet is the sun."]
     out = llm.score(follow_up)
     assert out.resume_tokens > 0
-    assert {f.form.value for f in out.forms} == {"full_kv", "swa_window", "compressed_kv", "linear_state"}
+    assert {f.form for f in out.forms} == set(Form)
+    assert all(f.recoverable_tokens == out.resume_tokens for f in out.forms)
     assert (out.logits - llm.prefill_logits(follow_up)[out.resume_tokens :]).abs().max().item() <= TOLERANCE[torch.float32]
