@@ -8,6 +8,7 @@ telemetry sink. Requests run one at a time in this walking skeleton.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -23,7 +24,16 @@ from torch import Tensor
 from engine.cache import CacheConfig, PrefixCache
 from engine.cache.sequence import PagedSequence
 from engine.config import HybridConfig
-from engine.events import Admission, CacheLookup, EngineStats, Form, RequestEvent, Tier
+from engine.events import (
+    Admission,
+    BlockAction,
+    BlockEvent,
+    CacheLookup,
+    EngineStats,
+    Form,
+    RequestEvent,
+    Tier,
+)
 from engine.loader import load_model
 from engine.model.base import ModelLayout
 from engine.outputs import CacheReport, RequestOutput, ScoreOutput
@@ -72,6 +82,8 @@ class LLM:
             :class:`EventSink`, or None (events discarded).
         engine_id: names this engine in events (default ``host-pid``).
         check_invariants: run :meth:`PrefixCache.check_invariants` after every chunk (tests).
+        block_events: also emit a ``block`` event whenever a block or slot of any pool is
+            stored or removed (vLLM's KV-event vocabulary; off by default: one event per block).
 
     Raises:
         ValueError: an unknown model name or an invalid cache configuration.
@@ -86,6 +98,7 @@ class LLM:
         *,
         engine_id: str | None = None,
         check_invariants: bool = False,
+        block_events: bool = False,
     ) -> None:
         self.device = resolve_device(device)
         loaded = load_model(model, self.device)
@@ -97,7 +110,8 @@ class LLM:
         """The family's config object (``HybridConfig``, ...), for callers that need it."""
         self.cache_config = cache or CacheConfig()
         self.engine_id = engine_id or default_engine_id()
-        self.cache = PrefixCache(self.layout, self.cache_config, self.model_name, self.device, torch.float32)
+        self.cache = PrefixCache.planned(self.layout, self.cache_config, self.model_name, self.device, torch.float32)
+        self.cache_config = self.cache.config  # block counts from the memory plan when budgeted
         self._check_fits(prompt_tokens=1, max_tokens=0)
         self.cache.log_plan()
         self.sink: EventSink
@@ -108,6 +122,9 @@ class LLM:
         else:
             self.sink = telemetry
         self.check_invariants = check_invariants
+        if block_events:
+            for form, pool, tokens in self.cache.pools_with_tokens():
+                pool.observer = functools.partial(self._emit_block, form, tokens)
         self._request_counter = itertools.count()
         self._last_stats = 0.0
 
@@ -302,6 +319,21 @@ class LLM:
         if now - self._last_stats >= STATS_INTERVAL_SECONDS:
             self._last_stats = now
             self.emit_engine_stats(now)
+
+    def _emit_block(self, form: Form, num_tokens: int, action: str, h: bytes, block: int) -> None:
+        self.sink.emit(
+            BlockEvent(
+                ts=time.time(),
+                engine_id=self.engine_id,
+                model=self.model_name,
+                form=form,
+                tier=Tier.DEVICE,
+                action=BlockAction(action),
+                block_hash=h.hex(),
+                block_id=block,
+                num_tokens=num_tokens,
+            )
+        )
 
     def emit_engine_stats(self, ts: float | None = None) -> None:
         """One ``engine_stats`` event per form (device tier) with the pools' occupancy."""

@@ -56,7 +56,9 @@ def _add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-kv-blocks", type=_positive_int, default=defaults.full_kv_blocks, help="full_kv pool pages (default: %(default)s)")
     p.add_argument("--swa-blocks", type=_positive_int, default=defaults.swa_blocks, help="swa_window pool pages (default: %(default)s)")
     p.add_argument("--linear-checkpoints", type=_positive_int, default=defaults.linear_checkpoints, help="linear_state checkpoint slots (default: %(default)s)")
-    p.add_argument("--compressed-snapshots", type=_positive_int, default=defaults.compressed_snapshots, help="compressed_kv snapshot slots (default: %(default)s)")
+    p.add_argument("--compressed-blocks", type=_positive_int, default=defaults.compressed_blocks, help="pages per compressed_kv / indexer key pool (default: %(default)s)")
+    p.add_argument("--tail-slots", type=_positive_int, default=defaults.tail_slots, help="uncompressed_tail / indexer pending-row slots (default: %(default)s)")
+    p.add_argument("--cache-memory-mib", type=_positive_int, default=None, help="one byte budget (MiB) for every pool: a memory plan replaces the block counts above")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
 
 
@@ -148,9 +150,11 @@ def _replay_config(args: argparse.Namespace) -> tuple[ReplayConfig, CacheConfig]
                 full_kv_blocks=args.full_kv_blocks,
                 swa_blocks=args.swa_blocks,
                 linear_checkpoints=args.linear_checkpoints,
-                compressed_snapshots=args.compressed_snapshots,
+                compressed_blocks=args.compressed_blocks,
+                tail_slots=args.tail_slots,
                 checkpoint_interval_tokens=8 * args.unit_tokens,
                 max_prefill_chunk_tokens=32 * args.unit_tokens,
+                memory_bytes=None if args.cache_memory_mib is None else args.cache_memory_mib * 2**20,
             ),
         )
     except ValueError as exc:

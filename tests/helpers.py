@@ -34,7 +34,8 @@ def assert_no_leases(llm: LLM) -> None:
     """Between requests: the pools are consistent and nothing is leased."""
     llm.cache.check_invariants()
     for f in llm.cache.forms:
-        assert f.pool.num_leased == 0, f"{f.form}: {f.pool.num_leased} blocks still leased"
+        for pool in f.pools:
+            assert pool.num_leased == 0, f"{pool.name}: {pool.num_leased} blocks still leased"
 
 
 def free_port() -> int:

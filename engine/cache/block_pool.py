@@ -1,17 +1,25 @@
-"""A pool of fixed-geometry blocks of one cache form, with an LRU queue of evictable blocks.
+"""A pool of fixed-geometry blocks of one cache form, with evictable blocks queued by reuse value.
 
 Modelled on vLLM v1's ``BlockPool``: a block is *leased* (ref count > 0) by the requests that
-read or write it; at ref count 0 it sits in the free queue, still holding its cached content and
+read or write it; at ref count 0 it sits in a free queue, still holding its cached content and
 hash until it is handed out again (eviction). Block 0 is a permanent sentinel: it is never handed
 out, so padding can point at it.
+
+Every block has a lifecycle state (:class:`engine.cache.lifecycle.BlockState`, DESIGN.md §4)
+and every state change goes through :func:`engine.cache.lifecycle.transition`, which checks the
+transition table and bumps the block's epoch. The pool uses ``FREE``, ``WRITING``, ``RESIDENT``,
+``CACHED`` and ``INVALID``; the swap states belong to the host/disk tiers.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 from engine.cache.hashing import BlockHash
+from engine.cache.lifecycle import BlockState, Event, rule, transition
 
 SENTINEL_BLOCK = 0
 
@@ -25,13 +33,32 @@ class PoolExhausted(RuntimeError):
 
 
 class BlockPool:
-    """Block ids ``1 … num_blocks − 1`` of one form (id 0 is the sentinel).
+    """Block ids ``1 … num_blocks − 1`` of one form (id 0 is the sentinel, permanently
+    ``INVALID``).
+
+    Free queue. Blocks with ref count 0 wait in two kinds of queue: the *empty* queue
+    (``FREE``: unpublished, holds nothing), always handed out first, most recently freed
+    first; and one LRU queue per *priority* (``CACHED``: published, evictable). An allocation
+    that finds no empty block evicts the least recently released block of the lowest priority
+    present, so a block released with a higher priority outlives every lower-priority evictable
+    block (e.g. the window tail and checkpoints of each cached boundary are evicted last). With
+    the default priority 0 the order is plain LRU by release, as in vLLM v1's free-block queue.
+    ``allocate``, ``lease`` and ``release`` are O(1) plus O(log P) heap work for P distinct
+    priorities in use.
+
+    Epochs. ``epoch[b]`` changes whenever what block ``b`` holds may have changed under a
+    lease holder: on ``allocate``, ``evict`` (inside ``allocate``) and ``invalidate``
+    (the rule is in :mod:`engine.cache.lifecycle`). A holder compares the epoch at use time
+    with the one it saw at lookup.
 
     Args:
         name: the form's name, used in messages.
         num_blocks: total ids including the sentinel (≥ 2).
         on_publish, on_evict: called with a block hash when a block starts or stops being
-            cached under it (the prefix index keeps count).
+            cached under it (the prefix index keeps count); ``on_evict`` also on ``invalidate``.
+
+    Raises:
+        ValueError: ``num_blocks`` < 2.
     """
 
     def __init__(
@@ -47,35 +74,58 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_count = [0] * num_blocks
         self.epoch = [0] * num_blocks
+        self.state = [BlockState.INVALID] + [BlockState.FREE] * (num_blocks - 1)
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self._empty: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self._evictable: dict[int, OrderedDict[int, None]] = {}  # priority → LRU queue, never empty
+        self._levels: list[int] = []  # min-heap of priorities, possibly with emptied ones
+        self._in_levels: set[int] = set()
+        self._num_evictable = 0
+        self._priority = [0] * num_blocks  # the queue a CACHED block sits in
+        self._held_priority: dict[int, int] = {}  # highest priority given by earlier releases
+        self._group_of: dict[int, object] = {}  # CACHED block → its eviction group
+        self._members: dict[object, set[int]] = {}  # eviction group → its CACHED blocks
         self._on_publish = on_publish
         self._on_evict = on_evict
+        self.version = 0
+        """Bumped whenever the hash → block map changes (publish, evict, invalidate): readers
+        may memoise what they found under one version."""
+        self.observer: Callable[[str, BlockHash, int], None] | None = None
+        """Optional audit hook, called as ``observer(action, hash, block)`` after a block is
+        published (``"stored"``) or stops being cached (``"removed"``: evicted or invalidated)."""
         self.evictions = 0
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
         self._evicted_memory = EVICTED_MEMORY_FACTOR * num_blocks
 
     # -- queries -------------------------------------------------------------------------------
     def lookup(self, h: BlockHash) -> int | None:
-        """The block cached under ``h``, if any (leased or evictable)."""
+        """The block cached under ``h``, if any (``RESIDENT`` or ``CACHED``)."""
         return self._cached.get(h)
 
+    @property
+    def cached_blocks(self) -> Mapping[BlockHash, int]:
+        """The hash → block map of published blocks (read-only view for fast scans)."""
+        return self._cached
+
     def was_evicted(self, h: BlockHash) -> bool:
-        """Whether a block cached under ``h`` was evicted recently (and not stored again since)."""
+        """Whether a block cached under ``h`` was evicted recently (and not stored again since).
+        An invalidated block does not count."""
         return h in self._evicted
 
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take (evictable cached ones included)."""
-        return len(self._free)
+        return len(self._empty) + self._num_evictable
 
     @property
     def num_leased(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        """Blocks with ref count > 0 (invalidated ones still leased included)."""
+        return self.num_blocks - 1 - self.num_free
 
     @property
     def num_cached(self) -> int:
+        """Published blocks, leased or evictable."""
         return len(self._cached)
 
     @property
@@ -85,85 +135,275 @@ class BlockPool:
 
     # -- transitions ---------------------------------------------------------------------------
     def allocate(self) -> int:
-        """Hand out the least recently freed block, evicting what it cached.
+        """Hand out a block with ref count 1 (``WRITING``, epoch bumped): the most recently
+        freed empty block, else the least recently released evictable block of the lowest
+        priority, evicting what it cached (``on_evict`` is called, ``evictions`` counts it).
 
         Raises:
             PoolExhausted: every block is leased.
         """
-        if not self._free:
-            raise PoolExhausted(f"{self.name}: all {self.num_blocks - 1} blocks are leased")
-        block, _ = self._free.popitem(last=False)
-        h = self.block_hash[block]
-        if h is not None:
-            del self._cached[h]
-            self.block_hash[block] = None
-            self.evictions += 1
-            self._evicted[h] = None
-            if len(self._evicted) > self._evicted_memory:
-                self._evicted.popitem(last=False)
-            self._on_evict(h)
+        if not self._empty:
+            if not self._num_evictable:
+                raise PoolExhausted(f"{self.name}: all {self.num_blocks - 1} blocks are leased")
+            self._evict(self._next_victim())
+        block = next(iter(self._empty))
+        self._apply(block, Event.ALLOCATE)
+        del self._empty[block]
         self.ref_count[block] = 1
-        self.epoch[block] += 1
         return block
 
     def lease(self, block: int) -> None:
-        """Take a reference on a cached block (removes it from the free queue at 0 → 1)."""
-        self._check_id(block)
-        if self.block_hash[block] is None and self.ref_count[block] == 0:
-            raise RuntimeError(f"{self.name}: leasing block {block}, which is free and holds nothing")
-        if self.ref_count[block] == 0:
-            del self._free[block]
-        self.ref_count[block] += 1
-
-    def release(self, block: int) -> None:
-        """Drop a reference. At 0 a cached block becomes evictable (most recently used end of the
-        queue); a block that caches nothing goes to the front, to be reused first.
+        """Take a reference on a block in use or cached (a cached one leaves the free queue at
+        0 → 1 and becomes ``RESIDENT``).
 
         Raises:
-            RuntimeError: the block is not leased (a double free).
+            RuntimeError: the id is the sentinel or out of range.
+            engine.cache.lifecycle.IllegalTransition: the block is free and holds nothing, or
+                was invalidated.
         """
         self._check_id(block)
-        if self.ref_count[block] <= 0:
-            raise RuntimeError(f"{self.name}: double free of block {block}")
-        self.ref_count[block] -= 1
-        if self.ref_count[block] == 0:
-            self._free[block] = None
-            if self.block_hash[block] is None:
-                self._free.move_to_end(block, last=False)
+        was = self.state[block]
+        self._apply(block, Event.LEASE)
+        if was is BlockState.CACHED:
+            self._dequeue(block)
+        self.ref_count[block] += 1
+
+    def release(self, block: int, *, priority: int = 0, group: object | None = None) -> None:
+        """Drop a reference. At 0 a published block becomes evictable (``CACHED``) at the most
+        recently used end of the queue of its priority; a block that caches nothing (or was
+        invalidated) becomes ``FREE``, at the front of the empty queue, to be reused first.
+
+        ``priority`` is the block's reuse value: evictable blocks of a higher priority are evicted
+        only after every lower-priority one. A shared block takes the highest priority given by
+        the releases since it last left the free queue; it has no effect on an unpublished block.
+
+        ``group`` (any hashable, on the last release) ties blocks that are only worth keeping
+        together, e.g. the window pages behind one resume boundary: when one of them is evicted,
+        the others still cached are demoted to the front of the lowest-priority queue, so the
+        pool gives up whole groups one at a time instead of a page of every group (case C5).
+
+        Raises:
+            RuntimeError: the id is the sentinel or out of range.
+            engine.cache.lifecycle.IllegalTransition: the block is not leased (a double free);
+                nothing changes.
+        """
+        self._check_id(block)
+        rc = self.ref_count[block]
+        if rc > 1:
+            event = Event.RELEASE
+        elif self.state[block] is BlockState.INVALID:
+            event = Event.RECLAIM
+        else:
+            event = Event.RELEASE_LAST
+        new = self._apply(block, event)
+        self.ref_count[block] = rc - 1
+        if event is Event.RELEASE:
+            self._held_priority[block] = max(self._held_priority.get(block, priority), priority)
+            return
+        priority = max(self._held_priority.pop(block, priority), priority)
+        if new is BlockState.CACHED:
+            self._enqueue(block, priority)
+            if group is not None:
+                self._group_of[block] = group
+                self._members.setdefault(group, set()).add(block)
+        else:
+            self._free_front(block)
 
     def publish(self, block: int, h: BlockHash) -> bool:
-        """Make a leased, fully written block findable under ``h``.
+        """Make a leased, fully written block findable under ``h`` (``WRITING → RESIDENT``).
 
         Returns False (and leaves the block unpublished) when another block already caches
         ``h``; the existing one is kept.
+
+        Raises:
+            RuntimeError: the id is the sentinel or out of range.
+            engine.cache.lifecycle.IllegalTransition: the block is not leased, already
+                published or invalidated; nothing changes.
         """
         self._check_id(block)
-        if self.ref_count[block] <= 0:
-            raise RuntimeError(f"{self.name}: publishing block {block}, which is not leased")
-        if self.block_hash[block] is not None:
-            raise RuntimeError(f"{self.name}: block {block} is already published")
+        rule(self.name, block, self.state[block], Event.PUBLISH)
         if h in self._cached:
             return False
+        self._apply(block, Event.PUBLISH)
         self.block_hash[block] = h
         self._cached[h] = block
+        self.version += 1
         self._evicted.pop(h, None)
         self._on_publish(h)
+        if self.observer is not None:
+            self.observer("stored", h, block)
         return True
+
+    def invalidate(self, block: int) -> None:
+        """Withdraw a published block: it stops being findable (``on_evict`` is called) and its
+        epoch is bumped. A ``CACHED`` block becomes ``FREE`` at once (front of the empty queue);
+        a ``RESIDENT`` one becomes ``INVALID`` until its last lease is released, then ``FREE``.
+        The holders detect the change by its epoch. Not counted as an eviction.
+
+        Raises:
+            RuntimeError: the id is the sentinel or out of range.
+            engine.cache.lifecycle.IllegalTransition: the block is not published (``FREE``,
+                ``WRITING``) or already ``INVALID``; nothing changes.
+        """
+        self._check_id(block)
+        was = self.state[block]
+        self._apply(block, Event.INVALIDATE)
+        if was is BlockState.CACHED:
+            self._dequeue(block)
+            self._free_front(block)
+        h = self._unpublish(block)
+        self._on_evict(h)
+        if self.observer is not None:
+            self.observer("removed", h, block)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _apply(self, block: int, event: Event) -> BlockState:
+        return transition(self.state, self.epoch, block, event, owner=self.name)
 
     def _check_id(self, block: int) -> None:
         if not 0 < block < self.num_blocks:
             raise RuntimeError(f"{self.name}: block id {block} is the sentinel or out of range")
 
+    def _next_victim(self) -> int:
+        """The least recently released evictable block of the lowest priority present."""
+        while self._levels[0] not in self._evictable:
+            self._in_levels.discard(heapq.heappop(self._levels))
+        return next(iter(self._evictable[self._levels[0]]))
+
+    def _levels_present(self) -> list[int]:
+        return list(self._evictable) or [0]
+
+    def _enqueue(self, block: int, priority: int) -> None:
+        queue = self._evictable.get(priority)
+        if queue is None:
+            queue = self._evictable[priority] = OrderedDict()
+            if priority not in self._in_levels:
+                self._in_levels.add(priority)
+                heapq.heappush(self._levels, priority)
+        queue[block] = None
+        self._priority[block] = priority
+        self._num_evictable += 1
+
+    def _dequeue(self, block: int) -> None:
+        group = self._group_of.pop(block, None)
+        if group is not None:
+            members = self._members[group]
+            members.discard(block)
+            if not members:
+                del self._members[group]
+        priority = self._priority[block]
+        queue = self._evictable[priority]
+        del queue[block]
+        if not queue:
+            del self._evictable[priority]  # its heap entry is dropped lazily
+        self._num_evictable -= 1
+
+    def _free_front(self, block: int) -> None:
+        self._empty[block] = None
+        self._empty.move_to_end(block, last=False)
+
+    def _unpublish(self, block: int) -> BlockHash:
+        h = self.block_hash[block]
+        if h is None:
+            raise AssertionError(f"{self.name}: block {block} {self.state[block]} has no hash")
+        del self._cached[h]
+        self.block_hash[block] = None
+        self.version += 1
+        return h
+
+    def _evict(self, block: int) -> None:
+        """``CACHED → FREE``: the block moves to the front of the empty queue; ``on_evict`` is
+        called last, so the pool is consistent if it raises."""
+        group = self._group_of.get(block)
+        self._apply(block, Event.EVICT)
+        self._dequeue(block)
+        self._free_front(block)
+        if group is not None:  # the rest of the group is worth little now: it goes next
+            for other in sorted(self._members.get(group, ()), reverse=True):
+                self._dequeue(other)
+                self._enqueue(other, min(self._levels_present()))
+                self._evictable[self._priority[other]].move_to_end(other, last=False)
+        h = self._unpublish(block)
+        self.evictions += 1
+        self._evicted[h] = None
+        if len(self._evicted) > self._evicted_memory:
+            self._evicted.popitem(last=False)
+        self._on_evict(h)
+        if self.observer is not None:
+            self.observer("removed", h, block)
+
     # -- invariants ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError if ref counts, the free queue or the hash map disagree."""
-        assert self.ref_count[SENTINEL_BLOCK] == 0 and SENTINEL_BLOCK not in self._free, "sentinel in use"
-        assert self.block_hash[SENTINEL_BLOCK] is None, "sentinel published"
-        for block in range(1, self.num_blocks):
-            rc = self.ref_count[block]
-            assert rc >= 0, f"{self.name}: block {block} ref count {rc}"
-            assert (rc == 0) == (block in self._free), f"{self.name}: block {block} ref {rc} vs free queue"
-            h = self.block_hash[block]
+        """Check that every block's state agrees with its ref count, free-queue membership and
+        the hash map: ``FREE`` ⇒ ref 0, unpublished, in the empty queue; ``WRITING`` ⇒ ref > 0,
+        unpublished; ``RESIDENT`` ⇒ ref > 0, published; ``CACHED`` ⇒ ref 0, published, in the
+        queue of its priority; ``INVALID`` ⇒ ref > 0, unpublished (the sentinel: ref 0, never
+        anything else). No block is in two queues or in a queue it should not be in; the hash
+        map is a bijection onto the published blocks.
+
+        Raises:
+            AssertionError: naming the pool, the block and its state.
+        """
+        S = BlockState
+        n = self.name
+
+        def fail(msg: str) -> NoReturn:
+            raise AssertionError(f"{n}: {msg}")
+
+        queued: dict[int, int | None] = dict.fromkeys(self._empty)  # block → priority (None: empty)
+        for priority, queue in self._evictable.items():
+            if not queue:
+                fail(f"evictable queue of priority {priority} is kept while empty")
+            for b in queue:
+                if b in queued:
+                    fail(f"block {b} {self.state[b]} is in two free queues")
+                queued[b] = priority
+        if self._num_evictable != sum(len(q) for q in self._evictable.values()):
+            fail(f"evictable count {self._num_evictable} disagrees with the queues")
+        levels = set(self._levels)
+        if not set(self._evictable) <= levels or levels != self._in_levels or len(levels) != len(self._levels):
+            fail(f"priority heap {sorted(self._levels)} disagrees with the queues {sorted(self._evictable)}")
+
+        for b, group in self._group_of.items():
+            if self.state[b] is not S.CACHED or b not in self._members.get(group, ()):
+                fail(f"block {b} {self.state[b]} is in an eviction group while not cached")
+        if sum(len(m) for m in self._members.values()) != len(self._group_of):
+            fail("eviction groups disagree with their members")
+
+        b0 = SENTINEL_BLOCK
+        if (self.state[b0], self.ref_count[b0], self.block_hash[b0], self.epoch[b0]) != (S.INVALID, 0, None, 0) or (
+            b0 in queued
+        ):
+            fail(f"sentinel block {b0} {self.state[b0]} is owned (ref {self.ref_count[b0]}, epoch {self.epoch[b0]})")
+
+        published = 0
+        for b in range(1, self.num_blocks):
+            st, rc, h = self.state[b], self.ref_count[b], self.block_hash[b]
+            if st is S.FREE:
+                ok = rc == 0 and h is None and b in self._empty
+            elif st is S.WRITING:
+                ok = rc > 0 and h is None and b not in queued
+            elif st is S.RESIDENT:
+                ok = rc > 0 and h is not None and b not in queued
+            elif st is S.CACHED:
+                ok = rc == 0 and h is not None and queued.get(b) == self._priority[b] and b not in self._empty
+            elif st is S.INVALID:
+                ok = rc > 0 and h is None and b not in queued
+            else:
+                fail(f"block {b} {st}: this pool has no lower tier")
+            if not ok:
+                fail(
+                    f"block {b} {st} disagrees: ref {rc}, "
+                    f"{'hash ' + h.hex() if h is not None else 'unpublished'}, "
+                    f"queue {'empty' if b in self._empty else queued.get(b, 'none')}"
+                )
+            if b in self._held_priority and rc == 0:
+                fail(f"block {b} {st}: held priority kept at ref 0")
             if h is not None:
-                assert self._cached.get(h) == block, f"{self.name}: block {block} hash not mapped to it"
-        assert len(self._cached) == sum(h is not None for h in self.block_hash), f"{self.name}: stale hash map"
+                published += 1
+                if self._cached.get(h) != b:
+                    fail(f"block {b} {st}: hash {h.hex()} maps to block {self._cached.get(h)}")
+        if published != len(self._cached):
+            fail(f"hash map has {len(self._cached)} entries for {published} published blocks")
+        if len(self._evicted) > self._evicted_memory or any(h in self._cached for h in self._evicted):
+            fail("eviction memory holds a cached hash or is over its size")

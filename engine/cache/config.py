@@ -16,13 +16,20 @@ class CacheConfig:
         swa_blocks: pages in the ``swa_window`` pool (all sliding layers share a page id).
         linear_checkpoints: slots in the ``linear_state`` checkpoint pool (one slot holds the
             conv and recurrent state of every linear layer at one boundary).
-        compressed_snapshots: slots in the ``compressed_kv`` snapshot pool (one slot holds the
-            whole state of every CSA/HCA layer at one boundary).
+        compressed_blocks: pages in each ``compressed_kv`` pool and each indexer key pool (one
+            pool per compressor geometry; a page holds the entries of ``max(U, r)`` tokens of
+            every layer of that geometry).
+        tail_slots: slots in the ``uncompressed_tail`` pool and the indexer's pending-row pool
+            (one slot holds the pending and previous-group rows of every CSA/HCA layer at one
+            boundary).
         checkpoint_interval_tokens: a recurrent checkpoint is taken at every multiple of this
             (a multiple of U) during prefill, plus at the last U boundary strictly before the
             prompt end (the resume point a follow-up request needs).
         max_prefill_chunk_tokens: prefill runs in chunks of at most this many tokens.
         enable_prefix_caching: when False every request is a cold prefill and nothing is stored.
+        memory_bytes: when set, one byte budget for every pool: the block counts above are
+            replaced by a memory plan that gives each form room for the same prefix length
+            after headroom for running requests (:mod:`engine.cache.memory_plan`).
 
     The pools are pre-allocated at start; one id in each pool (id 0) is a permanent sentinel
     that no request owns. Raises ValueError on a non-positive size or a misaligned interval.
@@ -32,10 +39,12 @@ class CacheConfig:
     full_kv_blocks: int = 4096
     swa_blocks: int = 512
     linear_checkpoints: int = 128
-    compressed_snapshots: int = 128
+    compressed_blocks: int = 4096
+    tail_slots: int = 128
     checkpoint_interval_tokens: int = 128
     max_prefill_chunk_tokens: int = 512
     enable_prefix_caching: bool = True
+    memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -43,13 +52,16 @@ class CacheConfig:
             "full_kv_blocks",
             "swa_blocks",
             "linear_checkpoints",
-            "compressed_snapshots",
+            "compressed_blocks",
+            "tail_slots",
             "checkpoint_interval_tokens",
             "max_prefill_chunk_tokens",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"CacheConfig.{name} = {value!r} must be a positive integer")
+        if self.memory_bytes is not None and (not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0):
+            raise ValueError(f"CacheConfig.memory_bytes = {self.memory_bytes!r} must be a positive integer or None")
         if self.checkpoint_interval_tokens % self.unit_tokens:
             raise ValueError(
                 f"CacheConfig.checkpoint_interval_tokens = {self.checkpoint_interval_tokens} is not "
@@ -60,6 +72,6 @@ class CacheConfig:
                 f"CacheConfig.max_prefill_chunk_tokens = {self.max_prefill_chunk_tokens} is not "
                 f"a multiple of unit_tokens = {self.unit_tokens}"
             )
-        for name in ("linear_checkpoints", "compressed_snapshots"):
+        for name in ("linear_checkpoints", "compressed_blocks", "tail_slots"):
             if getattr(self, name) < 2:
                 raise ValueError(f"CacheConfig.{name} must be at least 2 (one is the sentinel)")

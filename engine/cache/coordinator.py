@@ -20,7 +20,8 @@ from engine.events import Form, Outcome, Reason
 class ResumableForm(Protocol):
     """What the coordinator needs of a cache form."""
 
-    form: Form
+    @property
+    def form(self) -> Form: ...
 
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         """Largest multiple of U ≤ ``limit_tokens`` at which this form can resume exactly."""

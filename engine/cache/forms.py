@@ -9,14 +9,19 @@ form can resume exactly* (:meth:`resume_at_most`). The rules:
 * ``linear_state`` — a checkpoint of every linear layer taken exactly at L exists (scanned right
   to left); L = 0 needs none (the zero state).
 
+The compressed forms (``compressed_kv``, ``uncompressed_tail``, ``indexer_state``) live in
+:mod:`engine.cache.compressed`.
+
 Both KV forms store pages of U tokens ``kv [num_blocks, n_layers, 2, U, H_kv, D]`` (keys at
-index 0, values at 1), one page id shared by every layer of the group; checkpoints store
+index 0, values at 1; one such tensor per KV geometry, e.g. GQA sliding layers and the single
+K = V row of CSA/HCA windows), one page id shared by every layer of the form; checkpoints store
 ``conv [num_slots, n_layers, C_conv, K − 1]`` and ``recurrent [num_slots, n_layers, H_v, D_k, D_v]``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,7 +29,26 @@ from torch import Tensor
 from engine.cache.block_pool import BlockPool
 from engine.cache.hashing import BlockHash, PrefixIndex
 from engine.events import Form, Reason
-from engine.model.state import CompressedLayerState, CompressorState, LinearLayerState
+from engine.model.state import LinearLayerState
+
+KERNEL_ABI = 1
+"""Version of the interface between stored blocks and the code that reads them (attention over
+pages, compressor restore, recurrent-state restore); bumped whenever a reader changes how it
+interprets a block. Stored objects carry the version they were written for (layer 2 of
+validation compares it with the reader's)."""
+
+VECTOR_BYTES = 16
+"""Alignment the attention and compressor readers need (128-bit vector loads)."""
+
+
+class StoredTensor(NamedTuple):
+    """One pool tensor ``[num_blocks, *block]`` of a form, as its writer laid it out: the axis
+    names of a block and the vector width (bytes) the reading kernel loads it with."""
+
+    name: str
+    tensor: Tensor
+    axis_order: tuple[str, ...]
+    vector_bytes: int
 
 
 class PagedKVForm:
@@ -36,8 +60,7 @@ class PagedKVForm:
         layers: tuple[int, ...],
         num_blocks: int,
         unit_tokens: int,
-        num_kv_heads: int,
-        head_dim: int,
+        kv_shapes: dict[int, tuple[int, int]],
         window: int | None,
         index: PrefixIndex,
         dtype: torch.dtype,
@@ -46,17 +69,34 @@ class PagedKVForm:
         self.form = form
         self.evicted_reason = Reason.SWA_EVICTED if window is not None else Reason.KV_EVICTED
         self.layers = layers
-        self.layer_slot = {layer: i for i, layer in enumerate(layers)}
         self.unit_tokens = unit_tokens
         self.window = window
         self.pool = BlockPool(form.value, num_blocks, index.add, index.remove)
-        self.kv = torch.zeros(
-            (num_blocks, len(layers), 2, unit_tokens, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        self.pools = (self.pool,)
+        self._memo: tuple[Sequence[BlockHash], int, int, int] | None = None  # hashes, version, scanned, present
+        # one tensor per KV geometry, all indexed by the same page id
+        self.kv_groups: dict[tuple[int, int], Tensor] = {}
+        self.layer_slot: dict[int, tuple[Tensor, int]] = {}
+        for shape in dict.fromkeys(kv_shapes[layer] for layer in layers):
+            members = [layer for layer in layers if kv_shapes[layer] == shape]
+            kv = torch.zeros((num_blocks, len(members), 2, unit_tokens, *shape), dtype=dtype, device=device)
+            self.kv_groups[shape] = kv
+            self.layer_slot.update({layer: (kv, i) for i, layer in enumerate(members)})
 
     @property
     def bytes_per_block(self) -> int:
-        return self.kv[0].numel() * self.kv.element_size()
+        return sum(kv[0].numel() * kv.element_size() for kv in self.kv_groups.values())
+
+    def stored_tensors(self) -> list[StoredTensor]:
+        axes = ("layer", "kv", "token", "head", "dim")
+        return [StoredTensor(f"{self.form}[{h}x{d}]", kv, axes, VECTOR_BYTES) for (h, d), kv in self.kv_groups.items()]
+
+    def epoch_at(self, hashes: Sequence[BlockHash], resume_tokens: int) -> int:
+        """Epoch of the page ending at ``resume_tokens`` (0 at 0 or when absent)."""
+        if resume_tokens == 0:
+            return 0
+        block = self.pool.lookup(hashes[resume_tokens // self.unit_tokens - 1])
+        return self.pool.epoch[block] if block is not None else 0
 
     def first_needed_token(self, resume_tokens: int) -> int:
         """The oldest token whose KV a query at position ``resume_tokens`` reads."""
@@ -72,11 +112,17 @@ class PagedKVForm:
         """Largest multiple of U ≤ ``limit_tokens`` at which every needed page is cached."""
         u = self.unit_tokens
         if self.window is None:
+            needed = limit_tokens // u
+            memo = self._memo
+            if memo is not None and memo[0] is hashes and memo[1] == self.pool.version and (memo[3] < memo[2] or needed <= memo[2]):
+                return min(memo[3], needed) * u  # memoised: the fixed point asks several times
+            cached = self.pool.cached_blocks
             n = 0
-            for h in hashes[: limit_tokens // u]:
-                if self.pool.lookup(h) is None:
+            for h in hashes[:needed]:
+                if h not in cached:
                     break
                 n += 1
+            self._memo = (hashes, self.pool.version, needed, n)
             return n * u
         for cand in range(limit_tokens - limit_tokens % u, 0, -u):
             if all(self.pool.lookup(hashes[p]) is not None for p in self.needed_pages(cand)):
@@ -113,12 +159,20 @@ class LinearCheckpointForm:
         self.layers = layers
         self.unit_tokens = unit_tokens
         self.pool = BlockPool(self.form.value, num_slots, index.add, index.remove)
+        self.pools = (self.pool,)
         self.conv = torch.zeros((num_slots, len(layers), *conv_shape), dtype=torch.float32, device=device)
         self.recurrent = torch.zeros((num_slots, len(layers), *recurrent_shape), dtype=torch.float32, device=device)
 
     @property
     def bytes_per_block(self) -> int:
         return (self.conv[0].numel() + self.recurrent[0].numel()) * 4
+
+    def stored_tensors(self) -> list[StoredTensor]:
+        # the conv window (K − 1 = 3 values per channel) is read element by element
+        return [
+            StoredTensor("linear_state.conv", self.conv, ("layer", "channel", "tap"), self.conv.element_size()),
+            StoredTensor("linear_state.recurrent", self.recurrent, ("layer", "head", "key", "value"), VECTOR_BYTES),
+        ]
 
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         """Largest multiple of U ≤ ``limit_tokens`` with a checkpoint exactly there (or 0)."""
@@ -131,6 +185,11 @@ class LinearCheckpointForm:
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
         """No checkpoint at ``resume_tokens``: evicted or never taken, it is missing."""
         return Reason.LINEAR_CHECKPOINT_MISSING
+
+    def epoch_at(self, hashes: Sequence[BlockHash], resume_tokens: int) -> int:
+        """Epoch of the checkpoint at ``resume_tokens`` (0 at 0 or when absent)."""
+        slot = self.checkpoint_at(hashes, resume_tokens)
+        return self.pool.epoch[slot] if slot is not None else 0
 
     def checkpoint_at(self, hashes: Sequence[BlockHash], resume_tokens: int) -> int | None:
         """Slot of the checkpoint at ``resume_tokens`` (None at 0 or when absent)."""
@@ -155,76 +214,6 @@ class LinearCheckpointForm:
             layer: LinearLayerState(torch.zeros_like(self.conv[0, i]), torch.zeros_like(self.recurrent[0, i]))
             for i, layer in enumerate(self.layers)
         }
-
-
-class CompressedSnapshotForm:
-    """Snapshots of every compressed (CSA/HCA) layer's whole state at one boundary — its window
-    rows, compressed entries, uncompressed tail and indexer — keyed by the hash of the prefix
-    they summarise, taken where recurrent checkpoints are taken.
-
-    A snapshot carries all three compressed objects of DESIGN.md §3 together, at the same
-    boundary version by construction, so the index can never lag the KV nor the tail miss; it is
-    reported as the ``compressed_kv`` form. Its size grows with the prefix (the entries are
-    copied into every snapshot), so slots hold tensors of any length rather than fixed pages.
-    """
-
-    form = Form.COMPRESSED_KV
-
-    def __init__(self, layers: tuple[int, ...], num_slots: int, unit_tokens: int, index: PrefixIndex) -> None:
-        self.layers = layers
-        self.unit_tokens = unit_tokens
-        self.pool = BlockPool(self.form.value, num_slots, index.add, index.remove)
-        self.slots: list[dict[int, CompressedLayerState] | None] = [None] * num_slots
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Mean bytes of the stored snapshots (they differ in size)."""
-        held = [s for s in self.slots if s is not None]
-        return sum(snapshot_bytes(s) for s in held) // len(held) if held else 0
-
-    def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
-        """Largest multiple of U ≤ ``limit_tokens`` with a snapshot exactly there (or 0)."""
-        u = self.unit_tokens
-        for cand in range(limit_tokens - limit_tokens % u, 0, -u):
-            if self.pool.lookup(hashes[cand // u - 1]) is not None:
-                return cand
-        return 0
-
-    def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
-        """``compressed_evicted`` if the snapshot there was evicted, else ``below_granularity``
-        (snapshots exist only at checkpoint positions)."""
-        if self.pool.was_evicted(hashes[resume_tokens // self.unit_tokens - 1]):
-            return Reason.COMPRESSED_EVICTED
-        return Reason.BELOW_GRANULARITY
-
-    def read(self, slot: int) -> dict[int, CompressedLayerState]:
-        snapshot = self.slots[slot]
-        if snapshot is None:
-            raise RuntimeError(f"compressed_kv: slot {slot} is leased but holds no snapshot")
-        return {layer: state.clone() for layer, state in snapshot.items()}
-
-    def write(self, slot: int, states: dict[int, CompressedLayerState]) -> None:
-        missing = set(self.layers) - set(states)
-        if missing:
-            raise RuntimeError(f"compressed_kv: no state for layers {sorted(missing)} at a snapshot")
-        self.slots[slot] = {layer: states[layer].clone() for layer in self.layers}
-
-
-def snapshot_bytes(snapshot: dict[int, CompressedLayerState]) -> int:
-    total = 0
-    for state in snapshot.values():
-        parts = [state.window_kv, *vars_of(state.compressor)]
-        if state.indexer is not None:
-            parts.extend(vars_of(state.indexer))
-        total += sum(t.numel() * t.element_size() for t in parts)
-    return total
-
-
-def vars_of(state: CompressorState) -> tuple[Tensor, ...]:
-    return (state.entries, state.pending_kv, state.pending_gate, state.prev_kv, state.prev_gate)
-
-
-CacheForm = PagedKVForm | LinearCheckpointForm | CompressedSnapshotForm
 
 
 def gather_pages(kv: Tensor, pages: Tensor, slot: int, first_token: int, num_tokens: int) -> tuple[Tensor, Tensor]:

@@ -11,24 +11,46 @@ This is the object the engine talks to:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from engine.cache.block_pool import SENTINEL_BLOCK, PoolExhausted
+from engine.cache.block_pool import SENTINEL_BLOCK, BlockPool, PoolExhausted
+from engine.cache.compressed import (
+    MAIN,
+    CompressedKVForm,
+    EntryPages,
+    IndexerStateForm,
+    UncompressedTailForm,
+    compressor_groups,
+    restore_states,
+)
 from engine.cache.config import CacheConfig
 from engine.cache.coordinator import ResumePlan, plan_resume, resume_limit
-from engine.cache.forms import CacheForm, CompressedSnapshotForm, LinearCheckpointForm, PagedKVForm
+from engine.cache.forms import KERNEL_ABI, LinearCheckpointForm, PagedKVForm
 from engine.cache.hashing import BlockHash, PrefixIndex, chain_hashes, root_hash
+from engine.cache.memory_plan import POOL_FIELDS, MemoryPlan, PoolPlan, headroom, sized_config
 from engine.cache.sequence import PagedSequence
-from engine.events import Form
+from engine.cache.validation import (
+    KernelContract,
+    LayoutFingerprint,
+    ValidationFailure,
+    check_alignment,
+    check_granularity,
+    check_kernel_contract,
+)
+from engine.events import Form, Reason
 from engine.model.base import ModelLayout
 from engine.model.state import CompressedLayerState, LinearLayerState
 
 log = logging.getLogger(__name__)
+
+CacheForm = PagedKVForm | CompressedKVForm | UncompressedTailForm | IndexerStateForm | LinearCheckpointForm
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,9 +66,22 @@ class FormOccupancy:
     total_blocks: int
     bytes_per_block: int
 
-    @property
-    def used_bytes(self) -> int:
-        return self.used_blocks * self.bytes_per_block
+    used_bytes: int
+    """Bytes of the blocks holding state, summed pool by pool."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Vetoed:
+    """A form whose stored objects failed validation: it can resume nowhere but at 0."""
+
+    form: Form
+    failure: ValidationFailure
+
+    def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
+        return 0
+
+    def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
+        return self.failure.reason
 
 
 class PrefixCache:
@@ -69,30 +104,24 @@ class PrefixCache:
         dtype: torch.dtype,
     ) -> None:
         self.config = config
+        self.layout = layout
+        self.budget: tuple[int, int] | None = None
+        """(budget bytes, capacity tokens) when the pools came from a memory plan."""
         self.unit_tokens = config.unit_tokens
         self.device = device
         self.index = PrefixIndex()
         self.root = root_hash(model_name, layout.revision, config.unit_tokens)
         self.kv_forms: list[PagedKVForm] = []
         self.kv_form_of_layer: dict[int, PagedKVForm] = {}
-        for form, kind, blocks, window in (
-            (Form.FULL_KV, "full_attention", config.full_kv_blocks, None),
-            (Form.SWA_WINDOW, "sliding_attention", config.swa_blocks, layout.sliding_window),
+        kv_shapes = {i: layout.kv_shape(i) for i in range(len(layout.layer_types))}
+        for form, layers, blocks, window in (
+            (Form.FULL_KV, layout.layers_of("full_attention"), config.full_kv_blocks, None),
+            (Form.SWA_WINDOW, layout.window_layers, config.swa_blocks, layout.sliding_window),
         ):
-            layers = layout.layers_of(kind)
             if not layers:
                 continue
             kv_form = PagedKVForm(
-                form,
-                layers,
-                blocks,
-                config.unit_tokens,
-                layout.num_kv_heads,
-                layout.kv_head_dim,
-                window,
-                self.index,
-                dtype,
-                device,
+                form, layers, blocks, config.unit_tokens, kv_shapes, window, self.index, dtype, device
             )
             self.kv_forms.append(kv_form)
             self.kv_form_of_layer.update(dict.fromkeys(layers, kv_form))
@@ -103,54 +132,165 @@ class PrefixCache:
             self.linear = LinearCheckpointForm(
                 linear_layers, config.linear_checkpoints, config.unit_tokens, conv_shape, rec_shape, self.index, device
             )
-        self.compressed: CompressedSnapshotForm | None = None
-        if layout.compressed_state_specs:
-            self.compressed = CompressedSnapshotForm(
-                tuple(sorted(layout.compressed_state_specs)), config.compressed_snapshots, config.unit_tokens, self.index
-            )
+        self.compressed_specs = dict(layout.compressed_state_specs)
+        self.compressed: CompressedKVForm | None = None
+        self.tail: UncompressedTailForm | None = None
+        self.indexer: IndexerStateForm | None = None
+        if self.compressed_specs:
+            specs, u = self.compressed_specs, config.unit_tokens
+            self.compressed = CompressedKVForm(specs, config.compressed_blocks, u, self.index, device)
+            self.tail = UncompressedTailForm(specs, config.tail_slots, u, self.index, device)
+            if any(spec.indexer is not None for spec in specs.values()):
+                self.indexer = IndexerStateForm(specs, config.compressed_blocks, config.tail_slots, u, self.index, device)
         forms: list[CacheForm] = list(self.kv_forms)
-        forms += [f for f in (self.compressed, self.linear) if f is not None]
+        forms += [f for f in (self.compressed, self.tail, self.indexer, self.linear) if f is not None]
         self.forms: tuple[CacheForm, ...] = tuple(forms)
+        self.stored_revision = layout.revision
+        """The weights every stored object was computed with (a stamp of the writer)."""
+        self.stored_kernel_abi = KERNEL_ABI
+        """The reader interface the stored objects were written for."""
+        self.contracts = {
+            t.name: KernelContract(
+                layout=LayoutFingerprint.of(t.tensor, axis_order=t.axis_order, kernel_abi=KERNEL_ABI, model_revision=layout.revision),
+                vector_bytes=t.vector_bytes,
+            )
+            for f in self.forms
+            for t in f.stored_tensors()
+        }
+        """What the readers of each pool tensor were built for (this model's layout)."""
+        self._reported: set[str] = set()
+        self._validated: tuple[tuple[object, ...], dict[Form, ValidationFailure]] | None = None
+        self.running: weakref.WeakSet[PagedSequence] = weakref.WeakSet()
+        """Requests started and not finished (for the ownership check of check_invariants)."""
+        tails = [f.slots for f in (self.tail, self.indexer) if f is not None]
+        self._needs_checkpoints = self.linear is not None or any(t.needed_at(p) for t in tails for p in self._tail_probe())
 
     @property
     def has_checkpoint_forms(self) -> bool:
-        """Whether some form resumes only at stored checkpoints (recurrent or compressed
-        state): then resume points are the checkpoint positions, not every U boundary."""
-        return self.linear is not None or self.compressed is not None
+        """Whether some form resumes only at stored checkpoints (recurrent state, or rows of a
+        compressor's tail or indexer): then resume points are the checkpoint positions, not
+        every U boundary."""
+        return self._needs_checkpoints
+
+    def _tail_probe(self) -> range:
+        """Positions covering every residue of every compression ratio (enough to tell whether
+        a compressor ever keeps rows at a U boundary)."""
+        ratios = [g.spec.ratio for g in compressor_groups(self.compressed_specs, MAIN)] or [1]
+        return range(self.unit_tokens, 2 * max(ratios) + 2 * self.unit_tokens, self.unit_tokens)
 
     # -- reporting -----------------------------------------------------------------------------
     def resume_granularity(self) -> dict[Form, int]:
         """The coarsest spacing (tokens) between positions each form can resume at."""
         out = {f.form: self.unit_tokens for f in self.kv_forms}
-        for f in (self.compressed, self.linear):
+        if Form.SWA_WINDOW in out and self.has_checkpoint_forms:  # windows kept behind checkpoints
+            out[Form.SWA_WINDOW] = self.config.checkpoint_interval_tokens
+        if self.compressed is not None:
+            out[Form.COMPRESSED_KV] = self.unit_tokens  # entries of whole groups are immutable
+        interval = self.config.checkpoint_interval_tokens if self.has_checkpoint_forms else self.unit_tokens
+        for f in (self.tail, self.indexer):
             if f is not None:
-                out[f.form] = self.config.checkpoint_interval_tokens
+                needs_rows = any(f.slots.needed_at(p) for p in self._tail_probe())
+                out[f.form] = interval if needs_rows else self.unit_tokens
+        if self.linear is not None:
+            out[Form.LINEAR_STATE] = self.config.checkpoint_interval_tokens
         return out
 
-    def log_plan(self) -> None:
-        """Log every pool's size and the effective resume granularity per form; warn above 8·U."""
-        for f in self.forms:
-            log.info(
-                "cache form %s: %d blocks x %d bytes = %.1f MiB",
-                f.form,
-                f.pool.num_blocks - 1,
-                f.bytes_per_block,
-                (f.pool.num_blocks - 1) * f.bytes_per_block / 2**20,
+    @classmethod
+    def planned(cls, layout: ModelLayout, config: CacheConfig, model_name: str, device: torch.device, dtype: torch.dtype) -> PrefixCache:
+        """A cache whose pools come from ``config.memory_bytes`` when it is set (one memory plan
+        for every form), else from the config's block counts.
+
+        Raises:
+            ValueError: the budget cannot hold the headroom of every pool.
+        """
+        if config.memory_bytes is None:
+            return cls(layout, config, model_name, device, dtype)
+        probe_sizes = dict.fromkeys(set(POOL_FIELDS.values()), 2)
+        probe_config = CacheConfig(**{**dataclasses.asdict(config), **probe_sizes, "memory_bytes": None})
+        probe = cls(layout, probe_config, model_name, device, dtype)
+        sized, tokens = sized_config(config, probe.pool_plans())
+        cache = cls(layout, sized, model_name, device, dtype)
+        cache.budget = (config.memory_bytes, tokens)
+        return cache
+
+    def pool_plans(self) -> list[PoolPlan]:
+        """Every pool with its bytes per block, the prefix tokens one block holds and its
+        headroom (see :mod:`engine.cache.memory_plan`)."""
+        c, u = self.config, self.unit_tokens
+        interval = c.checkpoint_interval_tokens if self.has_checkpoint_forms else u
+        window = self.layout.sliding_window
+        window_pages = self.window_pages_needed(window, 0) if window is not None else 0
+        out: list[PoolPlan] = []
+
+        def add(pool: BlockPool, form: Form, bytes_per_block: int, tokens_per_block: int) -> None:
+            out.append(
+                PoolPlan(
+                    name=pool.name,
+                    form=form,
+                    blocks=pool.num_blocks - 1,
+                    bytes_per_block=bytes_per_block,
+                    tokens_per_block=max(1, tokens_per_block),
+                    headroom_blocks=headroom(form, c, window_pages),
+                )
             )
+
+        for kv in self.kv_forms:
+            tokens = u
+            if kv.window is not None and self.has_checkpoint_forms:
+                # a cached boundary keeps the pages of its window; windows wider than the
+                # interval overlap, so the pool then keeps every page of the prefix
+                tail_pages = -(-(kv.window - 1) // u) + 1
+                tokens = interval // min(interval // u, tail_pages)
+            add(kv.pool, kv.form, kv.bytes_per_block, tokens)
+        for pages in self.entry_groups():
+            form = Form.COMPRESSED_KV if pages.group.which == MAIN else Form.INDEXER_STATE
+            add(pages.pool, form, pages.bytes_per_block, pages.page_tokens)
+        for f in (self.tail, self.indexer):
+            if f is not None:
+                add(f.slots.pool, f.form, f.slots.bytes_per_block, interval)
+        if self.linear is not None:
+            add(self.linear.pool, Form.LINEAR_STATE, self.linear.bytes_per_block, c.checkpoint_interval_tokens)
+        return out
+
+    def pools_with_tokens(self) -> list[tuple[Form, BlockPool, int]]:
+        """Every pool with its form and the prefix tokens one of its blocks covers (pages: their
+        tokens; per-boundary slots: 0, they summarise a prefix rather than cover tokens)."""
+        out: list[tuple[Form, BlockPool, int]] = [(f.form, f.pool, self.unit_tokens) for f in self.kv_forms]
+        for pages in self.entry_groups():
+            form = Form.COMPRESSED_KV if pages.group.which == MAIN else Form.INDEXER_STATE
+            out.append((form, pages.pool, pages.page_tokens))
+        for f in (self.tail, self.indexer, self.linear):
+            if f is not None:
+                out.append((f.form, f.pools[-1], 0))
+        return out
+
+    def memory_plan(self) -> MemoryPlan:
+        budget, tokens = self.budget if self.budget is not None else (None, 0)
+        pools = self.pool_plans()
+        if budget is None:  # capacity implied by the explicit block counts
+            tokens = min((p.blocks - p.headroom_blocks) * p.tokens_per_block for p in pools) if pools else 0
+        return MemoryPlan(pools=tuple(pools), granularity=self.resume_granularity(), budget_bytes=budget, capacity_tokens=max(0, tokens))
+
+    def log_plan(self) -> None:
+        """Log the memory plan (every pool's blocks, headroom and bytes) and the effective resume
+        granularity per form; warn when a form resumes more coarsely than 8·U (case C4)."""
+        log.info("%s", self.memory_plan().render())
         for form, spacing in self.resume_granularity().items():
-            level = logging.WARNING if spacing > 8 * self.unit_tokens else logging.INFO
-            log.log(level, "cache form %s resumes every %d tokens (U = %d)", form, spacing, self.unit_tokens)
+            if spacing > 8 * self.unit_tokens:
+                log.warning("cache form %s resumes only every %d tokens (> 8·U, U = %d)", form, spacing, self.unit_tokens)
 
     def occupancy(self) -> list[FormOccupancy]:
+        per_pool = {p.name: p.bytes_per_block for p in self.pool_plans()}
         return [
             FormOccupancy(
                 form=f.form,
-                used_blocks=f.pool.num_holding,
-                leased_blocks=f.pool.num_leased,
-                cached_blocks=f.pool.num_cached,
-                free_blocks=f.pool.num_free,
-                total_blocks=f.pool.num_blocks - 1,
+                used_blocks=max(p.num_holding for p in f.pools),
+                leased_blocks=max(p.num_leased for p in f.pools),
+                cached_blocks=max(p.num_cached for p in f.pools),
+                free_blocks=min(p.num_free for p in f.pools),
+                total_blocks=min(p.num_blocks - 1 for p in f.pools),
                 bytes_per_block=f.bytes_per_block,
+                used_bytes=sum(p.num_holding * per_pool[p.name] for p in f.pools),
             )
             for f in self.forms
         ]
@@ -160,9 +300,52 @@ class PrefixCache:
         return chain_hashes(self.root, token_ids, self.unit_tokens)
 
     def lookup(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> ResumePlan:
-        """The hash hit and the resume plan; takes no lease and changes nothing."""
+        """The hash hit and the resume plan; takes no lease and changes nothing.
+
+        The four validation layers (DESIGN.md §4): granularity and group intersection are part
+        of each form's resume rule; a form whose stored tensors break the reading kernel's
+        contract (layer 2) or alignment (layer 4) cannot resume anywhere and reports that
+        reason. Raises RuntimeError if L* itself is not a multiple of U (an internal invariant).
+        """
         hit = self.index.hit_blocks(hashes) * self.unit_tokens if self.config.enable_prefix_caching else 0
-        return plan_resume(self.forms, hashes, prompt_tokens, hit, self.unit_tokens)
+        failures = self.validation_failures() if hit else {}
+        forms = [_Vetoed(f.form, failures[f.form]) if f.form in failures else f for f in self.forms]
+        plan = plan_resume(forms, hashes, prompt_tokens, hit, self.unit_tokens)
+        failure = check_granularity(plan.resume_tokens, self.unit_tokens)
+        if failure is not None:
+            raise RuntimeError(f"resume point {plan.resume_tokens} fails validation: {failure}")
+        return plan
+
+    def validation_failures(self) -> dict[Form, ValidationFailure]:
+        """Per form, the first stored tensor that breaks its reader's kernel contract (layer 2:
+        dtype, block shape, axis order, kernel ABI, model revision) or alignment (layer 4: byte
+        offsets and strides against the vector width)."""
+        declared = [(f, f.stored_tensors()) for f in self.forms]
+        key = (
+            self.stored_revision,
+            self.stored_kernel_abi,
+            *((t.name, t.tensor.data_ptr(), t.tensor.dtype, t.tensor.shape, t.tensor.stride()) for _, ts in declared for t in ts),
+        )
+        if self._validated is not None and self._validated[0] == key:
+            return self._validated[1]  # nothing a reader depends on changed since the last check
+        out: dict[Form, ValidationFailure] = {}
+        for f, tensors in declared:
+            for t in tensors:
+                contract = self.contracts.get(t.name)
+                if contract is None:
+                    raise RuntimeError(f"{t.name}: a pool tensor without a kernel contract")
+                stored = LayoutFingerprint.of(
+                    t.tensor, axis_order=t.axis_order, kernel_abi=self.stored_kernel_abi, model_revision=self.stored_revision
+                )
+                failure = check_kernel_contract(stored, contract) or check_alignment(t.tensor, contract)
+                if failure is not None:
+                    if t.name not in self._reported:
+                        self._reported.add(t.name)
+                        log.warning("%s: stored blocks cannot be reused: %s", t.name, failure)
+                    out[f.form] = failure
+                    break
+        self._validated = (key, out)
+        return out
 
     def start(self, plan: ResumePlan, token_ids: Sequence[int], hashes: Sequence[BlockHash]) -> PagedSequence:
         """Lease every object the plan reuses, then build the request's sequence.
@@ -178,6 +361,10 @@ class PrefixCache:
         seq = PagedSequence(
             self, token_ids, hashes[: len(token_ids) // u], resume, self.checkpoint_positions(plan)
         )
+        self.running.add(seq)
+        seq.window_evicted = {
+            f for f in self.kv_forms if f.window is not None and plan.form(f.form).reason == Reason.SWA_EVICTED
+        }
         try:
             for form in self.kv_forms:
                 needed = form.needed_pages(resume)
@@ -202,15 +389,8 @@ class PrefixCache:
                         seq.linear_states = self.linear.read(slot)
                     finally:
                         self.linear.pool.release(slot)
-            if self.compressed is not None and resume:
-                slot = self.compressed.pool.lookup(hashes[resume // u - 1])
-                if slot is None:
-                    raise RuntimeError(f"compressed_kv: snapshot at {resume} vanished before its lease")
-                self.compressed.pool.lease(slot)
-                try:
-                    seq.compressed_states = self.compressed.read(slot)
-                finally:
-                    self.compressed.pool.release(slot)
+            if self.compressed is not None:
+                seq.compressed_states = self._restore_compressed(hashes, resume) if resume else {}
         except BaseException:
             seq.finish()  # give back the leases taken so far
             raise
@@ -219,16 +399,54 @@ class PrefixCache:
     def checkpoint_positions(self, plan: ResumePlan) -> frozenset[int]:
         """Where a request prefilling ``[L*, T)`` takes recurrent checkpoints: every multiple of
         the checkpoint interval, the last U boundary strictly before the prompt end (where a
-        follow-up turn resumes), and the junction where the matched prefix ends when L* fell
+        repeat of the prompt resumes), the prompt end itself when it is a U boundary (where a
+        longer follow-up resumes), and the junction where the matched prefix ends when L* fell
         short of it (a sibling sharing that prefix then resumes there: case C1)."""
         start = plan.resume_tokens
         limit = resume_limit(plan.prompt_tokens, self.unit_tokens)
         interval = self.config.checkpoint_interval_tokens
         positions = set(range(start - start % interval + interval, limit + 1, interval))
+        end = plan.prompt_tokens
+        if end % self.unit_tokens == 0:
+            positions.add(end)  # the state after the whole prompt: where a longer follow-up resumes
         for p in (limit, min(plan.hash_hit_tokens, limit)):
             if p > start:
                 positions.add(p)
         return frozenset(positions)
+
+    def _restore_compressed(self, hashes: Sequence[BlockHash], resume: int) -> dict[int, CompressedLayerState]:
+        """The working state of every CSA/HCA layer at ``resume``: entries from the
+        ``compressed_kv`` and indexer key pages, rows from the tail and indexer slots (each
+        leased while copied).
+
+        Raises:
+            RuntimeError: an object the plan relies on is gone (an internal invariant).
+        """
+        assert self.compressed is not None and self.tail is not None
+        entry_forms = [*self.compressed.groups, *(self.indexer.keys if self.indexer is not None else [])]
+        slot_forms = [self.tail.slots, *([self.indexer.slots] if self.indexer is not None else [])]
+        leased: list[tuple[BlockPool, int]] = []
+        try:
+            entries = []
+            for pages in entry_forms:
+                blocks = pages.lease_pages(hashes, resume)
+                leased += [(pages.pool, b) for b in blocks]
+                entries.append((pages.group.which, pages.read(blocks)))
+            states = restore_states(self.compressed_specs, resume, entries, self.device)
+            for slots in slot_forms:
+                slot = slots.slot_at(hashes, resume)
+                if slot is None and slots.needed_at(resume):
+                    raise RuntimeError(f"{slots.pool.name}: rows at {resume} vanished before their lease")
+                if slot is not None:
+                    slots.pool.lease(slot)
+                    leased.append((slots.pool, slot))
+                slots.read_into(slot, resume, states)
+        finally:
+            for pool, block in leased:
+                pool.release(block)
+        for state in states.values():
+            state.check()
+        return states
 
     def window_pages_needed(self, window_tokens: int, max_tokens: int) -> int:
         """Most pages one request can hold in a window pool: the window behind its last
@@ -239,47 +457,84 @@ class PrefixCache:
 
     def form_epoch(self, seq: PagedSequence, form: CacheForm, resume_tokens: int) -> int:
         """Epoch of the deepest object a form contributed to the resume (0 when none)."""
-        if resume_tokens == 0:
-            return 0
-        if isinstance(form, PagedKVForm):
-            table = seq.tables.get(form, [])
-            page = resume_tokens // self.unit_tokens - 1
-            return form.pool.epoch[table[page]] if page < len(table) and table[page] else 0
-        slot = form.pool.lookup(seq.hashes[resume_tokens // self.unit_tokens - 1])
-        return form.pool.epoch[slot] if slot is not None else 0
+        return form.epoch_at(seq.hashes, resume_tokens)
 
     def save_checkpoint(
         self,
-        h: BlockHash,
+        hashes: Sequence[BlockHash],
+        tokens: int,
         linear_states: dict[int, LinearLayerState],
         compressed_states: dict[int, CompressedLayerState],
     ) -> bool:
-        """Store copies of the recurrent and compressed state summarising the prefix named by
-        ``h`` (each checkpoint form of the model).
+        """Store what a resume at ``tokens`` needs besides pages: copies of the recurrent state
+        (``linear_state``) and of the compressors' pending and previous-group rows
+        (``uncompressed_tail``, ``indexer_state``), keyed by the hash of ``[0, tokens)``.
 
-        Returns whether every checkpoint form holds that prefix afterwards (stored now or
-        before); False when the model has none or a pool has every slot leased.
+        Returns whether every such form holds that prefix afterwards (stored now or before);
+        False when the model has none or a pool has every slot leased.
         """
         stored = self.has_checkpoint_forms
-        for form, states in ((self.linear, linear_states), (self.compressed, compressed_states)):
-            if form is None or form.pool.lookup(h) is not None:
-                continue
+        h = hashes[tokens // self.unit_tokens - 1]
+        if self.linear is not None and self.linear.pool.lookup(h) is None:
             try:
-                slot = form.pool.allocate()
+                slot = self.linear.pool.allocate()
             except PoolExhausted:
-                log.warning("%s: every slot is leased; checkpoint skipped", form.form)
+                log.warning("linear_state: every slot is leased; checkpoint skipped")
                 stored = False
-                continue
-            form.write(slot, states)  # type: ignore[arg-type]
-            form.pool.publish(slot, h)
-            form.pool.release(slot)
+            else:
+                self.linear.write(slot, linear_states)
+                self.linear.pool.publish(slot, h)
+                self.linear.pool.release(slot)
+        for form in (self.tail, self.indexer):
+            if form is not None and not form.slots.store(hashes, tokens, compressed_states):
+                log.warning("%s: every slot is leased; rows at %d not stored", form.form, tokens)
+                stored = False
         return stored
 
+    def store_entries(self, hashes: Sequence[BlockHash], states: dict[int, CompressedLayerState], first_pages: list[int]) -> list[int]:
+        """Store the complete entry pages of every compressed and indexer group (from
+        ``first_pages[i]`` on for group i); returns the new ``first_pages``."""
+        groups = self.entry_groups()
+        if not groups or not states:
+            return first_pages
+        return [g.store(hashes, states, first) for g, first in zip(groups, first_pages, strict=True)]
+
+    def entry_groups(self) -> list[EntryPages]:
+        out = list(self.compressed.groups) if self.compressed is not None else []
+        if self.indexer is not None:
+            out += self.indexer.keys
+        return out
+
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every pool is consistent and the prefix index counts
-        exactly the published objects of all forms."""
+        """Raise AssertionError unless the whole cache is consistent, between any two steps:
+
+        * every pool's own invariants (states, ref counts, free queue, hash map);
+        * the prefix index counts exactly the published objects of all forms;
+        * leases are owned: a KV page's ref count equals the number of running requests whose
+          block table holds it; a page being written (unpublished) belongs to exactly one
+          request; compressed pages and slots are leased only inside a step, so none is leased
+          between steps;
+        * with a memory plan, the pools fit the byte budget.
+        """
         expected: Counter[BlockHash] = Counter()
         for f in self.forms:
-            f.pool.check_invariants()
-            expected.update(h for h in f.pool.block_hash if h is not None)
+            for pool in f.pools:
+                pool.check_invariants()
+                expected.update(h for h in pool.block_hash if h is not None)
         assert dict(expected) == self.index.snapshot(), "prefix index disagrees with the pools"
+        running = [seq for seq in self.running if not seq.finished]
+        for form in self.kv_forms:
+            held = Counter(b for seq in running for b in seq.tables[form] if b != SENTINEL_BLOCK)
+            for block in range(1, form.pool.num_blocks):
+                rc = form.pool.ref_count[block]
+                assert rc == held[block], f"{form.form}: block {block} has {rc} leases, {held[block]} running requests hold it"
+                if rc and form.pool.block_hash[block] is None:
+                    assert held[block] == 1, f"{form.form}: unpublished block {block} is written by {held[block]} requests"
+        for f in self.forms:
+            if isinstance(f, PagedKVForm):
+                continue
+            for pool in f.pools:
+                assert pool.num_leased == 0, f"{pool.name}: {pool.num_leased} blocks leased between steps"
+        if self.budget is not None:
+            total = sum(p.bytes for p in self.pool_plans())
+            assert total <= self.budget[0], f"the pools take {total} bytes, over the {self.budget[0]}-byte budget"

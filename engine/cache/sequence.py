@@ -38,6 +38,9 @@ from engine.model.state import (
     LinearLayerState,
 )
 
+WINDOW_TAIL_PRIORITY = 1
+"""Eviction priority of the window pages behind a request's last resume boundary."""
+
 if TYPE_CHECKING:
     from engine.cache.prefix_cache import PrefixCache
 
@@ -76,9 +79,14 @@ class PagedSequence:
         self.released_pages: dict[PagedKVForm, int] = {f: 0 for f in cache.kv_forms}
         self.linear_states: dict[int, LinearLayerState] = {}
         self.compressed_states: dict[int, CompressedLayerState] = {}
-        """The request's own copy of every CSA/HCA layer's state (snapshots are copies too)."""
+        """The request's own copy of every CSA/HCA layer's state (restored from the compressed
+        forms at L*; what it adds is stored back at each commit and checkpoint)."""
+        self.entry_pages_stored = [g.pages_needed(resume_tokens) for g in cache.entry_groups()]
+        """Per entry-page group of the cache: pages of this prefix known to be stored."""
         self.checkpoint_positions = checkpoint_positions
         """Where this request stores recurrent checkpoints (prefill chunks end there)."""
+        self.window_evicted: set[PagedKVForm] = set()
+        """Window forms whose pages this request's lookup found evicted (set by start)."""
         self._chunk: dict[PagedKVForm, _ChunkPages] = {}
         self._chunk_positions: Tensor | None = None
         self.finished = False
@@ -89,17 +97,17 @@ class PagedSequence:
             raise RuntimeError("attention_kv called with positions other than the current chunk's")
         form = self.cache.kv_form_of_layer[layer]
         plan = self._chunk[form]
-        slot = form.layer_slot[layer]
-        form.kv[plan.write_pages, slot, 0, plan.write_offsets] = keys.to(form.kv.dtype)
-        form.kv[plan.write_pages, slot, 1, plan.write_offsets] = values.to(form.kv.dtype)
-        k, v = gather_pages(form.kv, plan.read_pages, slot, plan.read_first, plan.read_tokens)
+        kv, slot = form.layer_slot[layer]
+        kv[plan.write_pages, slot, 0, plan.write_offsets] = keys.to(kv.dtype)
+        kv[plan.write_pages, slot, 1, plan.write_offsets] = values.to(kv.dtype)
+        k, v = gather_pages(kv, plan.read_pages, slot, plan.read_first, plan.read_tokens)
         return AttentionKV(k.to(keys.dtype), v.to(values.dtype), plan.read_positions)
 
     def linear(self, layer: int) -> LinearLayerState:
         return self.linear_states[layer]
 
     def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
-        """The state of a CSA/HCA layer: restored from the snapshot at L* by
+        """The state of a CSA/HCA layer: restored from the compressed forms at L* by
         :meth:`PrefixCache.start`, or created empty on first use at L* = 0.
 
         Raises:
@@ -166,10 +174,14 @@ class PagedSequence:
                 for form, table in self.tables.items():
                     if table[page] != SENTINEL_BLOCK and self._page_backs_a_resume_point(form, page):
                         form.pool.publish(table[page], self.hashes[page])
-            if take_checkpoint and end % u == 0:
-                h = self.hashes[end // u - 1]
-                if self.cache.save_checkpoint(h, self.linear_states, self.compressed_states):
-                    self.last_checkpoint_tokens = end
+            if self.compressed_states:
+                self.entry_pages_stored = self.cache.store_entries(self.hashes, self.compressed_states, self.entry_pages_stored)
+            if (
+                take_checkpoint
+                and end % u == 0
+                and self.cache.save_checkpoint(self.hashes, end, self.linear_states, self.compressed_states)
+            ):
+                self.last_checkpoint_tokens = end
         self.published_pages = max(self.published_pages, full_pages)
         self._trim_windows()
 
@@ -212,23 +224,36 @@ class PagedSequence:
     def finish(self) -> None:
         """Release every lease; idempotent. Pages the request did not publish become free.
 
-        Release order decides eviction order (the first released is evicted first): full-KV
-        pages tail first, so a prefix outlives its tail; window pages past the resume anchor
-        first (no resume point can use them), then the rest oldest first, so the window behind
-        the anchor is evicted last (cases C5 and C7).
+        Release order decides eviction order within a priority (the first released is evicted
+        first): full-KV pages tail first, so a prefix outlives its tail; window pages past the
+        resume anchor first (no resume point can use them), then the rest oldest first. The
+        window behind the anchor — the boundary a follow-up turn resumes at — is released with a
+        higher priority, so it is evicted after every other window page (cases C5 and C7).
         """
         if self.finished:
             return
         self.finished = True
-        anchor_page = self.resume_anchor() // self.unit_tokens
+        self.cache.running.discard(self)
+        anchor = self.resume_anchor()
+        anchor_page = anchor // self.unit_tokens
         for form, table in self.tables.items():
             if form.window is None:
-                order = list(reversed(table))
+                for block in reversed(table):
+                    if block != SENTINEL_BLOCK:
+                        form.pool.release(block)
             else:
-                order = table[anchor_page:] + table[:anchor_page]
-            for page in order:
-                if page != SENTINEL_BLOCK:
-                    form.pool.release(page)
+                tail = form.needed_pages(anchor)  # the window a follow-up resumes on
+                group = (id(self), anchor)  # its pages are worth keeping only together
+                # admission: a request whose own window had been evicted (the pool is thrashing)
+                # does not get its tail protected, or it would evict the next session's in turn
+                priority = 0 if form in self.window_evicted else WINDOW_TAIL_PRIORITY
+                for page in [*range(anchor_page, len(table)), *range(anchor_page)]:
+                    if table[page] == SENTINEL_BLOCK:
+                        continue
+                    if page in tail:
+                        form.pool.release(table[page], priority=priority, group=group)
+                    else:
+                        form.pool.release(table[page])
             table.clear()
         self.linear_states.clear()
         self.compressed_states.clear()

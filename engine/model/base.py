@@ -14,6 +14,9 @@ from torch import Tensor, nn
 
 from engine.model.state import CompressedLayerSpec, DenseState, SequenceState
 
+WINDOW_KINDS = frozenset({"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"})
+"""Layer kinds whose attention reads a sliding window of KV rows."""
+
 StateShapes = tuple[tuple[int, ...], tuple[int, ...]]
 """(conv state shape, recurrent state shape) of one linear-attention layer."""
 
@@ -27,11 +30,16 @@ class ModelLayout:
         revision: names the weights; part of every prefix hash, so two revisions never share.
         vocab_size: logits width.
         layer_types: one kind per layer (DESIGN.md §3 names).
-        num_kv_heads, kv_head_dim: the KV geometry attention layers store (H_kv, D).
-        sliding_window: W of ``sliding_attention`` layers (None without such layers).
+        num_kv_heads, kv_head_dim: the KV geometry attention layers store (H_kv, D), unless
+            ``kv_geometry`` names another for a layer.
+        sliding_window: W of every layer that keeps a window — ``sliding_attention`` and the
+            local branch of CSA/HCA layers (None without such layers).
         linear_state_shapes: per ``linear_attention`` layer index, its state shapes.
         compressed_state_specs: per CSA/HCA layer index, the geometry of the state it keeps
-            (window rows, compressed entries, uncompressed tail, indexer).
+            besides its window (compressed entries, uncompressed tail, indexer).
+        kv_geometry: per attention layer index, (H_kv, D) where it differs from
+            (``num_kv_heads``, ``kv_head_dim``) — e.g. the single shared K = V row of a CSA/HCA
+            layer's window in a model whose other attention layers are GQA.
     """
 
     model_type: str
@@ -43,6 +51,16 @@ class ModelLayout:
     sliding_window: int | None
     linear_state_shapes: Mapping[int, StateShapes] = field(default_factory=dict)
     compressed_state_specs: Mapping[int, CompressedLayerSpec] = field(default_factory=dict)
+    kv_geometry: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(H_kv, D) of the KV rows an attention layer stores."""
+        return self.kv_geometry.get(layer, (self.num_kv_heads, self.kv_head_dim))
+
+    @property
+    def window_layers(self) -> tuple[int, ...]:
+        """Layers that keep a window of KV rows (``swa_window``): sliding and CSA/HCA layers."""
+        return tuple(i for i, k in enumerate(self.layer_types) if k in WINDOW_KINDS)
 
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """Indices of the layers of one kind, in model order."""

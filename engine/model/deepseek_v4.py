@@ -112,9 +112,11 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     @property
     def layout(self) -> ModelLayout:
-        """Sliding layers store one shared K = V head of ``head_dim`` in the ``swa_window``
-        form with window ``sliding_window``; CSA/HCA layers keep their state in
-        :class:`~engine.model.state.CompressedLayerState` (not in the layout's KV geometry)."""
+        """Every layer stores one shared K = V head of ``head_dim`` in the ``swa_window`` form
+        with window ``sliding_window`` (sliding layers, and the local branch of CSA/HCA
+        layers); CSA/HCA layers also keep compressor state
+        (:class:`~engine.model.state.CompressedLayerState`: ``compressed_kv``,
+        ``uncompressed_tail``, ``indexer_state``)."""
         c = self.config
         return ModelLayout(
             model_type=c.model_type,
@@ -123,7 +125,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             layer_types=c.layer_types,
             num_kv_heads=1,
             kv_head_dim=c.head_dim,
-            sliding_window=c.sliding_window if "sliding_attention" in c.layer_types else None,
+            sliding_window=c.sliding_window,  # every V4 layer has a window
             compressed_state_specs=self.compressed_state_specs(),
         )
 

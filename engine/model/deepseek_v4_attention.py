@@ -154,10 +154,10 @@ class DeepseekV4Attention(nn.Module):
         start, t = cstate.num_tokens, x.shape[0]
         if int(positions[0]) != start:
             raise RuntimeError(f"layer {self.layer}: chunk starts at {int(positions[0])}, its state holds {start} tokens")
-        window_keys = torch.cat((cstate.window_kv, kv))
-        key_positions = torch.arange(start + t - window_keys.shape[0], start + t, device=x.device)
-        window_visible = attention_mask(positions, key_positions, self.window)
-        cstate.window_kv = window_keys[max(0, window_keys.shape[0] - (self.window - 1)) :].clone()
+        # the local branch's rows (shared K = V) live with every other window's KV (swa_window)
+        stored = state.attention_kv(self.layer, positions, kv[:, None], kv[:, None])
+        window_keys = stored.keys[:, 0]
+        window_visible = attention_mask(positions, stored.positions, self.window)
 
         compressor.update(x, cstate.compressor)
         entries = cstate.compressor.entries

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from engine.config import COMPRESSED_KINDS, HybridConfig, hybrid_config_from_dict
 from engine.model.attention import Attention
-from engine.model.base import CausalLM, ModelLayout
+from engine.model.base import WINDOW_KINDS, CausalLM, ModelLayout
 from engine.model.deepseek_v4_attention import DeepseekV4Attention
 from engine.model.gated_deltanet import GatedDeltaNet
 from engine.model.layers import RMSNorm, SwiGLU, rotary_cos_sin
@@ -99,6 +99,7 @@ class HybridForCausalLM(CausalLM):
     @property
     def layout(self) -> ModelLayout:
         c = self.config
+        compressed = {i: layer.mixer for i, layer in enumerate(self.layers) if isinstance(layer.mixer, DeepseekV4Attention)}
         return ModelLayout(
             model_type=c.model_type,
             revision=c.revision,
@@ -106,13 +107,10 @@ class HybridForCausalLM(CausalLM):
             layer_types=c.layer_types,
             num_kv_heads=c.num_key_value_heads,
             kv_head_dim=c.head_dim,
-            sliding_window=c.sliding_window if "sliding_attention" in c.layer_types else None,
+            sliding_window=c.sliding_window if set(c.layer_types) & WINDOW_KINDS else None,
             linear_state_shapes=self.linear_state_shapes(),
-            compressed_state_specs={
-                i: layer.mixer.state_spec()
-                for i, layer in enumerate(self.layers)
-                if isinstance(layer.mixer, DeepseekV4Attention)
-            },
+            compressed_state_specs={i: mixer.state_spec() for i, mixer in compressed.items()},
+            kv_geometry={i: (1, mixer.head_dim) for i, mixer in compressed.items()},
         )
 
     def new_dense_state(self) -> DenseState:

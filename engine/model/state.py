@@ -73,7 +73,7 @@ class CompressorSpec:
 class CompressedLayerSpec:
     """What a ``compressed_sparse_attention`` / ``heavily_compressed_attention`` layer keeps.
 
-    window: W, the sliding window of the layer's local branch (the state keeps W − 1 rows).
+    window: W, the sliding window of the layer's local branch (a query sees its last W rows).
     head_dim: D of the shared key/value (K = V) rows of the window.
     compressor: the main KV compressor.
     indexer: the indexer's compressor (CSA), None for HCA.
@@ -144,11 +144,11 @@ class CompressorState:
 
 @dataclass(slots=True)
 class CompressedLayerState:
-    """Everything one CSA / HCA layer keeps for one sequence between chunks and decode steps.
+    """What one CSA / HCA layer keeps for one sequence between chunks and decode steps, besides
+    the rows of its local window (shared K = V rows, stored through
+    :meth:`SequenceState.attention_kv` like every window's KV: ``swa_window``).
 
     num_tokens: L, the tokens this state summarises (the next chunk starts at position L).
-    window_kv: ``[min(L, W − 1), D]`` — shared K = V rows of the last tokens (``swa_window``),
-        RMS-normed and rotated; a query at L reads them plus its own row.
     compressor: the main compressor (``compressed_kv`` + ``uncompressed_tail``).
     indexer: the CSA indexer's compressor (``indexer_state``); None for HCA. Always at the same
         boundary as ``compressor`` (same ratio, same tokens).
@@ -157,7 +157,6 @@ class CompressedLayerState:
 
     spec: CompressedLayerSpec
     num_tokens: int
-    window_kv: Tensor
     compressor: CompressorState
     indexer: CompressorState | None = field(default=None)
 
@@ -167,7 +166,6 @@ class CompressedLayerState:
         return cls(
             spec=spec,
             num_tokens=0,
-            window_kv=torch.zeros((0, spec.head_dim), dtype=spec.dtype, device=device),
             compressor=CompressorState.empty(spec.compressor, spec.dtype, device),
             indexer=None if spec.indexer is None else CompressorState.empty(spec.indexer, spec.dtype, device),
         )
@@ -182,7 +180,6 @@ class CompressedLayerState:
         return CompressedLayerState(
             self.spec,
             self.num_tokens,
-            self.window_kv.clone(),
             self.compressor.clone(),
             None if self.indexer is None else self.indexer.clone(),
         )
@@ -198,8 +195,8 @@ class CompressedLayerState:
             parts.append(("indexer", spec.indexer, self.indexer))
         elif self.indexer is not None:
             raise RuntimeError("HCA state with an indexer state")
-        want = {"window_kv": (min(n, spec.window - 1), spec.head_dim)}
-        got = {"window_kv": tuple(self.window_kv.shape)}
+        want: dict[str, tuple[int, int]] = {}
+        got: dict[str, tuple[int, ...]] = {}
         for name, cspec, cstate in parts:
             n_entries = b // cspec.ratio
             prev = cspec.ratio if cspec.overlapping and n_entries else 0

@@ -20,7 +20,7 @@ from tests.helpers import free_port
 pytestmark = pytest.mark.e2e
 
 KVSCOPE = [sys.executable, "-m", "kvscope"]
-FORMS = {"full_kv", "swa_window", "compressed_kv", "linear_state"}
+FORMS = {"full_kv", "swa_window", "compressed_kv", "uncompressed_tail", "indexer_state", "linear_state"}
 
 
 def read_json_line(proc: subprocess.Popen[str], timeout: float) -> dict:

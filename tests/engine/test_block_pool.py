@@ -1,4 +1,5 @@
-"""BlockPool: exact block ids, LRU eviction order, sentinel, double free, duplicate publish."""
+"""BlockPool: exact block ids, LRU and priority eviction order, sentinel, double free, duplicate
+publish, lifecycle states, invalidation, epochs, and what check_invariants catches."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from engine.cache.block_pool import SENTINEL_BLOCK, BlockPool, PoolExhausted
 from engine.cache.hashing import PrefixIndex, chain_hashes, root_hash
+from engine.cache.lifecycle import BlockState, IllegalTransition
 
 
 def make_pool(n: int = 5) -> tuple[BlockPool, PrefixIndex]:
@@ -84,3 +86,167 @@ def test_hash_chain_names_whole_prefixes() -> None:
     assert h1[1] != h2[1]  # same block tokens, different parent
     assert chain_hashes(h1[0], [5, 6, 7, 8], 4) == [h1[1]]
     assert root_hash("m", "r", 4) != root_hash("m", "r2", 4)
+
+
+# -- lifecycle states, priorities, invalidation, epochs -----------------------------------------
+def test_states_follow_the_lifecycle() -> None:
+    pool, _ = make_pool(4)
+    assert pool.state == [BlockState.INVALID, BlockState.FREE, BlockState.FREE, BlockState.FREE]
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.state[a] is BlockState.WRITING
+    pool.publish(a, b"A")
+    assert pool.state[a] is BlockState.RESIDENT
+    pool.lease(a)
+    pool.release(a)
+    assert pool.state[a] is BlockState.RESIDENT and pool.ref_count[a] == 1
+    pool.release(a)
+    pool.release(b)
+    assert (pool.state[a], pool.state[b]) == (BlockState.CACHED, BlockState.FREE)
+    pool.lease(a)
+    assert pool.state[a] is BlockState.RESIDENT
+    pool.check_invariants()
+
+
+def test_higher_priority_is_evicted_after_every_lower_one() -> None:
+    pool, _ = make_pool(6)
+    a, b, c, d, e = (pool.allocate() for _ in range(5))
+    for blk, h in ((a, b"A"), (b, b"B"), (c, b"C"), (d, b"D")):
+        pool.publish(blk, h)
+    pool.release(a, priority=2)  # e.g. a window tail at a cached boundary
+    pool.release(b)
+    pool.release(c, priority=1)
+    pool.release(d)
+    pool.release(e, priority=5)  # unpublished: handed out first whatever its priority
+    assert [pool.allocate() for _ in range(5)] == [e, b, d, c, a]
+    assert pool.evictions == 4
+    pool.check_invariants()
+
+
+def test_shared_block_keeps_the_highest_release_priority() -> None:
+    pool, _ = make_pool(4)
+    a, b = pool.allocate(), pool.allocate()
+    pool.publish(a, b"A")
+    pool.publish(b, b"B")
+    pool.lease(a)
+    pool.release(a, priority=3)  # one holder values it
+    pool.release(a)  # the last holder does not: the higher value stands
+    pool.release(b, priority=1)
+    pool.allocate()  # the empty block
+    assert pool.allocate() == b and pool.allocate() == a
+
+
+def test_invalidate_cached_block_frees_it_first() -> None:
+    pool, index = make_pool(4)
+    a, b = pool.allocate(), pool.allocate()
+    pool.publish(a, b"A")
+    pool.publish(b, b"B")
+    pool.release(a)
+    pool.release(b)
+    epoch = pool.epoch[b]
+    pool.invalidate(b)
+    assert pool.state[b] is BlockState.FREE and pool.epoch[b] == epoch + 1
+    assert pool.lookup(b"B") is None and index.holders(b"B") == 0 and not pool.was_evicted(b"B")
+    assert pool.num_cached == 1 and pool.num_free == 3
+    pool.check_invariants()
+    assert pool.allocate() == b  # front of the empty queue
+    assert pool.evictions == 0
+
+
+def test_invalidate_resident_block_drains_its_leases() -> None:
+    pool, index = make_pool(3)
+    a = pool.allocate()
+    pool.publish(a, b"A")
+    pool.lease(a)  # a second request reads it
+    epoch = pool.epoch[a]
+    pool.invalidate(a)
+    assert pool.state[a] is BlockState.INVALID and pool.epoch[a] == epoch + 1  # holders see it
+    assert pool.lookup(b"A") is None and index.holders(b"A") == 0
+    assert pool.num_leased == 1 and pool.num_holding == 1
+    pool.check_invariants()
+    with pytest.raises(IllegalTransition, match="invalidated"):
+        pool.lease(a)
+    with pytest.raises(IllegalTransition, match="INVALID; event invalidate"):
+        pool.invalidate(a)
+    with pytest.raises(IllegalTransition, match="INVALID; event publish"):
+        pool.publish(a, b"A")
+    pool.release(a)
+    assert pool.state[a] is BlockState.INVALID
+    pool.release(a)  # the last lease: reclaimed
+    assert pool.state[a] is BlockState.FREE and pool.epoch[a] == epoch + 1
+    pool.check_invariants()
+    assert pool.publish(pool.allocate(), b"A") is True  # the hash can be stored again
+
+
+def test_invalidate_needs_a_published_block() -> None:
+    pool, _ = make_pool(3)
+    a = pool.allocate()
+    with pytest.raises(IllegalTransition, match="WRITING; event invalidate"):
+        pool.invalidate(a)
+    pool.release(a)
+    with pytest.raises(IllegalTransition, match="FREE; event invalidate"):
+        pool.invalidate(a)
+    with pytest.raises(RuntimeError, match="sentinel"):
+        pool.invalidate(SENTINEL_BLOCK)
+    pool.check_invariants()
+
+
+def test_epoch_bumps_on_allocate_evict_and_invalidate_only() -> None:
+    pool, _ = make_pool(2)
+    a = pool.allocate()
+    assert pool.epoch[a] == 1
+    pool.publish(a, b"A")
+    pool.lease(a)
+    pool.release(a)
+    pool.release(a)
+    pool.lease(a)
+    pool.release(a)
+    assert pool.epoch[a] == 1  # publish, lease and release keep the bytes
+    assert pool.allocate() == a  # evict (+1), then allocate (+1)
+    assert pool.epoch[a] == 3
+    pool.publish(a, b"A2")
+    pool.invalidate(a)
+    assert pool.epoch[a] == 4
+    pool.release(a)  # reclaim keeps it; the next allocate bumps
+    assert pool.epoch[a] == 4 and pool.epoch[SENTINEL_BLOCK] == 0
+
+
+def test_illegal_calls_change_nothing() -> None:
+    pool, index = make_pool(3)
+    a, b = pool.allocate(), pool.allocate()
+    pool.publish(a, b"A")
+    pool.release(b)
+    before = (list(pool.state), list(pool.ref_count), list(pool.epoch), list(pool.block_hash), pool.num_free)
+    with pytest.raises(IllegalTransition, match="already published"):
+        pool.publish(a, b"A2")
+    with pytest.raises(IllegalTransition, match="not leased"):
+        pool.publish(b, b"B")
+    with pytest.raises(IllegalTransition, match="double free"):
+        pool.release(b, priority=3)
+    assert (list(pool.state), list(pool.ref_count), list(pool.epoch), list(pool.block_hash), pool.num_free) == before
+    assert index.snapshot() == {b"A": 1}
+    pool.check_invariants()
+
+
+def test_check_invariants_names_pool_block_and_state() -> None:
+    pool, _ = make_pool(4)
+    a, b = pool.allocate(), pool.allocate()
+    pool.publish(a, b"A")
+    pool.release(a)
+    pool.check_invariants()
+    pool.ref_count[a] = 1  # a CACHED block that claims a lease
+    with pytest.raises(AssertionError, match=r"full_kv: block 1 CACHED disagrees: ref 1"):
+        pool.check_invariants()
+    pool.ref_count[a] = 0
+    pool.state[b] = BlockState.RESIDENT  # in use but never published
+    with pytest.raises(AssertionError, match=r"full_kv: block 2 RESIDENT disagrees: ref 1, unpublished"):
+        pool.check_invariants()
+    pool.state[b] = BlockState.WRITING
+    pool.ref_count[SENTINEL_BLOCK] = 1
+    with pytest.raises(AssertionError, match="sentinel block 0"):
+        pool.check_invariants()
+    pool.ref_count[SENTINEL_BLOCK] = 0
+    pool.block_hash[b] = b"A"  # two blocks under one hash
+    with pytest.raises(AssertionError, match="block 2 WRITING disagrees"):
+        pool.check_invariants()
+    pool.block_hash[b] = None
+    pool.check_invariants()

@@ -35,8 +35,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, CacheConfig, SamplingParams
+from engine.cache.compressed import CompressedKVForm, IndexerStateForm, UncompressedTailForm
 from engine.cache.coordinator import resume_limit
-from engine.cache.forms import CompressedSnapshotForm, LinearCheckpointForm, PagedKVForm
+from engine.cache.forms import LinearCheckpointForm, PagedKVForm
 from engine.config import HybridConfig
 from engine.events import SCHEMA_VERSION, EventBatch, Outcome, Reason, decode_batch, encode_batch
 from engine.llm import RequestTooLarge
@@ -57,15 +58,37 @@ class InjectedFault(RuntimeError):
 
 
 # -- oracles ---------------------------------------------------------------------------------------
-def form_valid_at(
-    form: PagedKVForm | LinearCheckpointForm | CompressedSnapshotForm, hashes: Sequence[bytes], length: int
-) -> bool:
+def _pages_present(pool, hashes: Sequence[bytes], ratio: int, length: int) -> bool:
+    """Entry pages of ``max(U, r)`` tokens covering ``[0, ⌊L/r⌋·r)`` are all cached."""
+    page = max(U, ratio)
+    covered = (length // ratio) * ratio
+    return all(pool.lookup(hashes[(p + 1) * page // U - 1]) is not None for p in range(covered // page))
+
+
+def _rows_kept(spec, length: int) -> bool:
+    """A compressor keeps pending or previous-group rows after ``length`` tokens."""
+    b = (length // spec.ratio) * spec.ratio
+    return length > b or (spec.overlapping and b >= spec.ratio)
+
+
+def form_valid_at(form, hashes: Sequence[bytes], length: int) -> bool:
     """Independent restatement of each form's exact-resume rule (docs/cache-forms.md)."""
     if length == 0:
         return True
+    at_length = hashes[length // U - 1]
+    if isinstance(form, LinearCheckpointForm):
+        return form.pool.lookup(at_length) is not None
+    if isinstance(form, CompressedKVForm):
+        return all(_pages_present(g.pool, hashes, g.group.spec.ratio, length) for g in form.groups)
+    if isinstance(form, UncompressedTailForm | IndexerStateForm):
+        if isinstance(form, IndexerStateForm) and not all(
+            _pages_present(k.pool, hashes, k.group.spec.ratio, length) for k in form.keys
+        ):
+            return False
+        needed = any(_rows_kept(g.spec, length) for g in form.slots.groups)
+        return not needed or form.slots.pool.lookup(at_length) is not None
+    assert isinstance(form, PagedKVForm)
     pool = form.pool
-    if isinstance(form, LinearCheckpointForm | CompressedSnapshotForm):
-        return pool.lookup(hashes[length // U - 1]) is not None
     if form.window is None:
         return all(pool.lookup(hashes[p]) is not None for p in range(length // U))
     first = max(0, length - form.window + 1)  # a query at L sees keys (L - W, L]
@@ -78,7 +101,8 @@ def predict(llm: LLM, ids: list[int]) -> dict:
     hashes = cache.block_hashes(ids)
     held = set()
     for f in cache.forms:
-        held.update(h for h in f.pool.block_hash if h is not None)
+        for pool in f.pools:
+            held.update(h for h in pool.block_hash if h is not None)
     hit = 0
     for i, h in enumerate(hashes):
         if h in held:
@@ -169,9 +193,8 @@ class Auditor:
     def audit(self) -> None:
         cache = self.llm.cache
         for form in cache.kv_forms:
-            assert form.kv[0].abs().max().item() == 0.0, (
-                f"{form.form}: the sentinel page was written"
-            )
+            for kv in form.kv_groups.values():
+                assert kv[0].abs().max().item() == 0.0, f"{form.form}: the sentinel page was written"
             for block in range(1, form.pool.num_blocks):
                 h = form.pool.block_hash[block]
                 if h is None:
@@ -182,37 +205,16 @@ class Auditor:
                 seq, pages = self.prefix_of[h]
                 state, _ = self.dense(seq)
                 page = pages - 1
-                for layer, slot in form.layer_slot.items():
+                for layer, (kv, slot) in form.layer_slot.items():
                     ref = state._kv[layer]
                     rows = slice(page * U, (page + 1) * U)
-                    dk = (form.kv[block, slot, 0] - ref.keys[rows]).abs().max().item()
-                    dv = (form.kv[block, slot, 1] - ref.values[rows]).abs().max().item()
+                    dk = (kv[block, slot, 0] - ref.keys[rows]).abs().max().item()
+                    dv = (kv[block, slot, 1] - ref.values[rows]).abs().max().item()
                     assert max(dk, dv) <= TOL, (
                         f"{form.form}: block {block} (page {page}) layer {layer} differs from a "
                         f"cold run by {max(dk, dv):.3g}"
                     )
-        snapshots = cache.compressed
-        for slot in range(1, 0 if snapshots is None else snapshots.pool.num_blocks):
-            assert snapshots is not None
-            h = snapshots.pool.block_hash[slot]
-            if h is None:
-                continue
-            seq, pages = self.prefix_of[h]
-            _, at = self.dense(seq)
-            for layer, stored in (snapshots.slots[slot] or {}).items():
-                ref = at[pages * U][("c", layer)]
-                assert stored.num_tokens == ref.num_tokens == pages * U
-                pairs = [("window_kv", stored.window_kv, ref.window_kv)]
-                for name in ("compressor", "indexer"):
-                    mine, theirs = getattr(stored, name), getattr(ref, name)
-                    assert (mine is None) == (theirs is None)
-                    if mine is not None:
-                        pairs += [(f"{name}.{f}", getattr(mine, f), getattr(theirs, f)) for f in
-                                  ("entries", "pending_kv", "pending_gate", "prev_kv", "prev_gate")]  # fmt: skip
-                for name, a, b in pairs:
-                    assert a.shape == b.shape and (a - b).abs().max().item() <= TOL if a.numel() else a.shape == b.shape, (
-                        f"compressed_kv: snapshot in slot {slot} ({pages * U} tokens) layer {layer} {name} differs from a cold run"
-                    )
+        self.audit_compressed()
         lin = cache.linear
         if lin is None:
             return
@@ -234,6 +236,57 @@ class Auditor:
                     f"linear_state: checkpoint in slot {slot} keyed by a {pages * U}-token prefix "
                     f"holds another state (conv {dc:.3g}, recurrent {dr:.3g}) — case C11"
                 )
+
+
+    def audit_compressed(self) -> None:
+        """Entry pages hold the entries of the prefix their hash names; tail and indexer slots
+        hold the rows of the prefix they are stamped with; sentinels stay zero."""
+        cache = self.llm.cache
+        entry_groups = cache.entry_groups()
+        for pages in entry_groups:
+            assert pages.entries[0].abs().max().item() == 0.0, f"{pages.pool.name}: the sentinel page was written"
+            e = pages.entries_per_page
+            for block in range(1, pages.pool.num_blocks):
+                h = pages.pool.block_hash[block]
+                if h is None:
+                    continue
+                assert h in self.prefix_of, f"{pages.pool.name}: block {block} published under an unknown hash"
+                seq, n_units = self.prefix_of[h]
+                end = n_units * U
+                assert end % pages.page_tokens == 0 and pages.page_end[block] == end
+                page = end // pages.page_tokens - 1
+                _, at = self.dense(seq)
+                for i, layer in enumerate(pages.group.layers):
+                    ref = getattr(at[end][("c", layer)], pages.group.which).entries[page * e : (page + 1) * e]
+                    diff = (pages.entries[block, i] - ref).abs().max().item()
+                    assert diff <= TOL, (
+                        f"{pages.pool.name}: page {page} (block {block}) layer {layer} differs from a cold run by {diff:.3g}"
+                    )
+        for form in (cache.tail, cache.indexer):
+            if form is None:
+                continue
+            slots = form.slots
+            for tensors in slots.tensors:
+                assert all(t[0].abs().max().item() == 0.0 for t in tensors.values() if t[0].numel()), (
+                    f"{slots.pool.name}: the sentinel slot was written"
+                )
+            for slot in range(1, slots.pool.num_blocks):
+                h = slots.pool.block_hash[slot]
+                if h is None:
+                    continue
+                seq, n_units = self.prefix_of[h]
+                end = n_units * U
+                assert slots.slot_tokens[slot] == end, f"{slots.pool.name}: slot {slot} stamped {slots.slot_tokens[slot]}, keyed by {end}"
+                _, at = self.dense(seq)
+                for g, tensors in zip(slots.groups, slots.tensors, strict=True):
+                    for i, layer in enumerate(g.layers):
+                        ref = getattr(at[end][("c", layer)], g.which)
+                        for name in ("pending_kv", "pending_gate", "prev_kv", "prev_gate"):
+                            want = getattr(ref, name)
+                            got = tensors[name][slot, i, : want.shape[0]]
+                            assert not want.numel() or (got - want).abs().max().item() <= TOL, (
+                                f"{slots.pool.name}: slot {slot} ({end} tokens) layer {layer} {name} differs from a cold run"
+                            )
 
 
 # -- the scenario ------------------------------------------------------------------------------------

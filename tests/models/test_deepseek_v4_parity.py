@@ -146,13 +146,13 @@ class LayerPair:
 
     def _our_state(self, layer: int, attn: DeepseekV4Attention) -> dict[str, Tensor]:
         window = attn.window - 1
+        kv = self.state.kv(layer)
+        assert kv is not None
+        out = {"window": kv.keys[-window:, 0]}
         if attn.compressor is None:
-            kv = self.state.kv(layer)
-            assert kv is not None
-            return {"window": kv.keys[-window:, 0]}
+            return out
         state = self.state.compressed(layer, attn.state_spec())
         state.check()
-        out = {"window": state.window_kv}
         parts = [("compressor", state.compressor, attn.compressor)]
         if state.indexer is not None:
             parts.append(("indexer", state.indexer, attn.compressor.indexer))
@@ -284,10 +284,15 @@ def test_chunked_prefill_and_decode_equal_one_prefill(ends: list[int]) -> None:
         a.check()
         b.check()
         assert _state_diff(a, b) <= ATOL
+    for layer in range(len(model.config.layer_types)):  # every layer's window rows
+        kv_one, kv_chunked = one_state.kv(layer), chunk_state.kv(layer)
+        assert kv_one is not None and kv_chunked is not None
+        assert torch.equal(kv_one.positions, kv_chunked.positions)
+        assert (kv_one.keys - kv_chunked.keys).abs().max().item() <= ATOL
 
 
 def _state_diff(a: CompressedLayerState, b: CompressedLayerState) -> float:
-    pairs = [(a.window_kv, b.window_kv)]
+    pairs: list[tuple[Tensor, Tensor]] = []
     for x, y in [(a.compressor, b.compressor), (a.indexer, b.indexer)]:
         if x is None or y is None:
             assert x is y

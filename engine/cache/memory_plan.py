@@ -1,0 +1,161 @@
+"""One memory plan for every cache form: per-pool block counts from one byte budget.
+
+A hybrid model keeps one prefix as several kinds of state whose cost per token differs by orders
+of magnitude (a full-KV page per U tokens, a compressed entry page per ``max(U, r)`` tokens, a
+tail slot or recurrent checkpoint per checkpoint interval, a window per cached boundary). Sizing
+each pool by hand makes one form run out long before the others, and the prefix is then lost in
+all of them. The plan instead gives every form the blocks it needs to hold the *same* number of
+prefix tokens C (the cached capacity), after reserving **headroom** that caching may never use:
+
+* ``swa_window`` — the window pages one running request holds while its window slides (the
+  window behind its last checkpoint, one prefill chunk and its decoded tokens), so window
+  eviction never has to take a cached boundary's tail to make progress;
+* ``compressed_kv`` / indexer key pages — one page per group for the entries the running request
+  is forming (compression advancing past a page edge);
+* tail, indexer pending and ``linear_state`` slots — one slot, for the checkpoint the running
+  request stores;
+* ``full_kv`` — the pages of one maximum-length request.
+
+A cached boundary keeps its window tail, so the window pool's cached share is ``C / interval``
+boundaries × the window's pages. Source of the idea: vLLM's ``KVCacheConfig`` (one budget split
+into per-group pools of equal block counts); here the split is by tokens held, not by blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from engine.cache.config import CacheConfig
+from engine.events import Form
+
+POOL_FIELDS = {
+    Form.FULL_KV: "full_kv_blocks",
+    Form.SWA_WINDOW: "swa_blocks",
+    Form.COMPRESSED_KV: "compressed_blocks",
+    Form.UNCOMPRESSED_TAIL: "tail_slots",
+    Form.INDEXER_STATE: "compressed_blocks",
+    Form.LINEAR_STATE: "linear_checkpoints",
+}
+"""The CacheConfig field that sizes each form's pools."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolPlan:
+    """One pool: its blocks (sentinel excluded), bytes per block, how many tokens of a prefix one
+    block holds, and the blocks reserved as headroom for running requests."""
+
+    name: str
+    form: Form
+    blocks: int
+    bytes_per_block: int
+    tokens_per_block: int
+    headroom_blocks: int
+
+    @property
+    def bytes(self) -> int:
+        return self.blocks * self.bytes_per_block
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryPlan:
+    """Every pool of a cache and the resume granularity of every form.
+
+    ``budget_bytes`` is the budget the plan was sized for (None when the block counts came from
+    the config); ``capacity_tokens`` is the prefix length every form can hold beyond headroom.
+    """
+
+    pools: tuple[PoolPlan, ...]
+    granularity: dict[Form, int]
+    budget_bytes: int | None
+    capacity_tokens: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.bytes for p in self.pools)
+
+    def form_bytes(self) -> dict[Form, int]:
+        out: dict[Form, int] = {}
+        for p in self.pools:
+            out[p.form] = out.get(p.form, 0) + p.bytes
+        return out
+
+    def render(self) -> str:
+        """A plain-text table: one line per pool, then per form its bytes and granularity."""
+        lines = [
+            f"cache memory plan: {self.total_bytes / 2**20:.1f} MiB"
+            + (f" of a {self.budget_bytes / 2**20:.1f} MiB budget" if self.budget_bytes is not None else "")
+            + f", every form holds ≥ {self.capacity_tokens} prefix tokens beyond headroom",
+            f"  {'pool':<34} {'blocks':>8} {'headroom':>8} {'B/block':>10} {'tok/block':>9} {'MiB':>8}",
+        ]
+        for p in self.pools:
+            lines.append(
+                f"  {p.name:<34} {p.blocks:>8} {p.headroom_blocks:>8} {p.bytes_per_block:>10} "
+                f"{p.tokens_per_block:>9} {p.bytes / 2**20:>8.2f}"
+            )
+        sizes = self.form_bytes()
+        for form, spacing in self.granularity.items():
+            lines.append(f"  form {form:<18} {sizes.get(form, 0) / 2**20:>8.2f} MiB, resumes every {spacing} tokens")
+        return "\n".join(lines)
+
+
+def headroom(form: Form, config: CacheConfig, window_pages: int) -> int:
+    """Blocks of a pool of ``form`` that one running request may hold (see module docstring)."""
+    if form == Form.SWA_WINDOW:
+        return window_pages
+    if form == Form.FULL_KV:
+        return 0  # a full-KV request's pages are what it caches
+    return 1
+
+
+def capacity_tokens(pools: list[PoolPlan], budget_bytes: int) -> int:
+    """The largest C (a multiple of the coarsest block) such that every pool holding C tokens
+    beyond its headroom fits in ``budget_bytes``.
+
+    Raises:
+        ValueError: the budget does not cover the headroom and one block of each pool.
+    """
+    fixed = sum((p.headroom_blocks + 1) * p.bytes_per_block for p in pools)
+    per_token = sum(p.bytes_per_block / p.tokens_per_block for p in pools)
+    if budget_bytes < fixed or per_token <= 0:
+        raise ValueError(
+            f"a cache budget of {budget_bytes} bytes cannot hold the headroom of every pool "
+            f"({fixed} bytes); raise CacheConfig.memory_bytes"
+        )
+    step = max(p.tokens_per_block for p in pools)
+    tokens = int((budget_bytes - fixed) / per_token)
+    return max(step, tokens - tokens % step)
+
+
+def sized_config(config: CacheConfig, pools: list[PoolPlan]) -> tuple[CacheConfig, int]:
+    """``config`` with every pool's block count derived from ``config.memory_bytes``. Pools
+    sized by one config field (e.g. every compressed entry-page pool) get the same count, the
+    largest any of them needs, and are budgeted as such. Returns the new config and C.
+
+    Raises:
+        ValueError: ``config.memory_bytes`` is unset or too small for the headroom.
+    """
+    if config.memory_bytes is None:
+        raise ValueError("sized_config needs CacheConfig.memory_bytes")
+    by_field: dict[str, list[PoolPlan]] = {}
+    for p in pools:
+        by_field.setdefault(POOL_FIELDS[p.form], []).append(p)
+    merged = [
+        PoolPlan(
+            name=field,
+            form=members[0].form,
+            blocks=0,
+            bytes_per_block=sum(p.bytes_per_block for p in members),
+            tokens_per_block=min(p.tokens_per_block for p in members),
+            headroom_blocks=max(p.headroom_blocks for p in members),
+        )
+        for field, members in by_field.items()
+    ]
+    tokens = capacity_tokens(merged, config.memory_bytes)
+    counts = {
+        m.name: math.ceil(tokens / m.tokens_per_block) + m.headroom_blocks + 1  # + the sentinel
+        for m in merged
+    }
+    fields: dict[str, object] = {**dataclasses.asdict(config), **counts}
+    return CacheConfig(**fields), tokens  # type: ignore[arg-type]
