@@ -79,6 +79,7 @@ def run_replay(
         ValueError: an unknown model or a cache configuration the model cannot use.
     """
     llm = LLM(model, cache=cache, telemetry=agent_url, engine_id=engine_id)
+    console.print(llm.cache.memory_plan().render(), markup=False, highlight=False)
     total = min(len(requests), config.max_requests or len(requests))
     rolling = _RollingRate()
     columns = (

@@ -162,14 +162,12 @@ class EntryPages:
         memo = self._memo
         if memo is not None and memo[0] is hashes and memo[1] == self.pool.version and (memo[3] < memo[2] or needed <= memo[2]):
             return min(memo[3], needed)
-        step = self.page_tokens // self.unit_tokens
-        cached, page_end = self.pool.cached_blocks, self.page_end
-        present = 0
-        for h in hashes[step - 1 : needed * step : step]:
-            block = cached.get(h)
-            if block is None or page_end[block] != (present + 1) * self.page_tokens:
-                break
-            present += 1
+        step, pt = self.page_tokens // self.unit_tokens, self.page_tokens
+        blocks = list(map(self.pool.cached_blocks.get, hashes[step - 1 : needed * step : step]))
+        present = blocks.index(None) if None in blocks else len(blocks)
+        ends = [self.page_end[b] for b in blocks[:present]]  # type: ignore[index]
+        if ends != list(range(pt, (present + 1) * pt, pt)):  # a page of another version
+            present = next(i for i, end in enumerate(ends) if end != (i + 1) * pt)
         self._memo = (hashes, self.pool.version, needed, present)
         return present
 

@@ -116,12 +116,8 @@ class PagedKVForm:
             memo = self._memo
             if memo is not None and memo[0] is hashes and memo[1] == self.pool.version and (memo[3] < memo[2] or needed <= memo[2]):
                 return min(memo[3], needed) * u  # memoised: the fixed point asks several times
-            cached = self.pool.cached_blocks
-            n = 0
-            for h in hashes[:needed]:
-                if h not in cached:
-                    break
-                n += 1
+            found = list(map(self.pool.cached_blocks.__contains__, hashes[:needed]))
+            n = found.index(False) if False in found else len(found)
             self._memo = (hashes, self.pool.version, needed, n)
             return n * u
         for cand in range(limit_tokens - limit_tokens % u, 0, -u):

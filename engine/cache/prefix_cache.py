@@ -70,6 +70,22 @@ class FormOccupancy:
     """Bytes of the blocks holding state, summed pool by pool."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FormSpec:
+    """What one form stores and where it can resume.
+
+    granularity_tokens: the coarsest spacing (tokens) between positions it can resume at.
+    bytes_per_block: bytes of one block of each of its pools together.
+    fingerprints: (pool tensor name, layout fingerprint: dtype, block shape, axis order, kernel
+        ABI version, model revision) of every tensor it stores.
+    """
+
+    form: Form
+    granularity_tokens: int
+    bytes_per_block: int
+    fingerprints: tuple[tuple[str, LayoutFingerprint], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class _Vetoed:
     """A form whose stored objects failed validation: it can resume nowhere but at 0."""
@@ -251,6 +267,20 @@ class PrefixCache:
         if self.linear is not None:
             add(self.linear.pool, Form.LINEAR_STATE, self.linear.bytes_per_block, c.checkpoint_interval_tokens)
         return out
+
+    def form_specs(self) -> dict[Form, FormSpec]:
+        """One frozen spec per form: its resume granularity, bytes per block set and the layout
+        fingerprint of every stored tensor (what validation layer 2 compares)."""
+        granularity = self.resume_granularity()
+        return {
+            f.form: FormSpec(
+                form=f.form,
+                granularity_tokens=granularity[f.form],
+                bytes_per_block=f.bytes_per_block,
+                fingerprints=tuple((t.name, self.contracts[t.name].layout) for t in f.stored_tensors()),
+            )
+            for f in self.forms
+        }
 
     def pools_with_tokens(self) -> list[tuple[Form, BlockPool, int]]:
         """Every pool with its form and the prefix tokens one of its blocks covers (pages: their

@@ -5,6 +5,7 @@ plan."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,25 @@ def test_memory_plan_sizes_every_pool_from_one_budget(caplog: pytest.LogCaptureF
     assert_warm_equals_cold(llm, tokens(90, 47))
     with pytest.raises(ValueError, match="cannot hold the headroom"):
         LLM(cache=CacheConfig(memory_bytes=4096))
+
+
+def test_one_frozen_spec_per_form() -> None:
+    llm = LLM(cache=CFG)
+    specs = llm.cache.form_specs()
+    assert set(specs) == set(Form)
+    assert {f: s.granularity_tokens for f, s in specs.items()} == {
+        Form.FULL_KV: U,
+        Form.SWA_WINDOW: 32,
+        Form.COMPRESSED_KV: U,
+        Form.UNCOMPRESSED_TAIL: 32,
+        Form.INDEXER_STATE: 32,
+        Form.LINEAR_STATE: 32,
+    }
+    full = specs[Form.FULL_KV]
+    (name, fp), = full.fingerprints
+    assert fp.dtype == torch.float32 and fp.axis_order == ("layer", "kv", "token", "head", "dim")
+    assert fp.block_shape[2] == U and fp.model_revision == llm.layout.revision
+    assert name.startswith("full_kv") and full.bytes_per_block == math.prod(fp.block_shape) * 4
+    assert all(s.bytes_per_block > 0 and s.fingerprints for s in specs.values())
+    with pytest.raises(AttributeError):
+        full.granularity_tokens = 1  # type: ignore[misc]
