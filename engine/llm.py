@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from engine.cache import CacheConfig, PrefixCache
+from engine.cache.prefix_cache import StaleResume
 from engine.cache.sequence import PagedSequence
 from engine.config import HybridConfig
 from engine.events import (
@@ -31,6 +32,7 @@ from engine.events import (
     CacheLookup,
     EngineStats,
     Form,
+    Reason,
     RequestEvent,
     Tier,
 )
@@ -213,7 +215,11 @@ class LLM:
         self._check_fits(len(token_ids), params.max_tokens)
         hashes = self.cache.block_hashes(token_ids)
         plan = self.cache.lookup(hashes, len(token_ids))
-        seq = self.cache.start(plan, token_ids, hashes)
+        try:
+            seq = self.cache.start(plan, token_ids, hashes)
+        except StaleResume as stale:  # changed between check and use: recompute, say why
+            plan = self.cache.lookup(hashes, len(token_ids), vetoes={stale.form: Reason.EPOCH_CHANGED})
+            seq = self.cache.start(plan, token_ids, hashes)
         try:
             epochs = {f.form: self.cache.form_epoch(seq, f, plan.resume_tokens) for f in self.cache.forms}
             logits = self._prefill(seq, keep_logits)

@@ -57,6 +57,8 @@ class ResumePlan:
     limiting_form: Form | None
     limiting_reason: Reason
     forms: tuple[FormLookup, ...]
+    pool_versions: tuple[tuple[Form, tuple[int, ...]], ...] = ()
+    """Each form's pool versions when the plan was made (what ``start`` re-checks)."""
 
     def form(self, form: Form) -> FormLookup:
         for f in self.forms:

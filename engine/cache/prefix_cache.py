@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,16 +88,27 @@ class FormSpec:
 
 @dataclass(frozen=True, slots=True)
 class _Vetoed:
-    """A form whose stored objects failed validation: it can resume nowhere but at 0."""
+    """A form whose stored objects failed validation, or changed between a lookup and its
+    leases: it can resume nowhere but at 0."""
 
     form: Form
-    failure: ValidationFailure
+    reason: Reason
 
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         return 0
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
-        return self.failure.reason
+        return self.reason
+
+
+class StaleResume(Exception):
+    """An object a plan relies on changed between the lookup and its lease (the TOCTOU window
+    of DESIGN.md §4 red line 3). The caller looks up again with the form vetoed
+    (``epoch_changed``): the request degrades to recompute instead of reading a changed object."""
+
+    def __init__(self, form: Form) -> None:
+        super().__init__(f"{form}: an object of the plan changed before its lease")
+        self.form = form
 
 
 class PrefixCache:
@@ -329,18 +340,23 @@ class PrefixCache:
     def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         return chain_hashes(self.root, token_ids, self.unit_tokens)
 
-    def lookup(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> ResumePlan:
+    def lookup(
+        self, hashes: Sequence[BlockHash], prompt_tokens: int, vetoes: Mapping[Form, Reason] | None = None
+    ) -> ResumePlan:
         """The hash hit and the resume plan; takes no lease and changes nothing.
 
         The four validation layers (DESIGN.md §4): granularity and group intersection are part
         of each form's resume rule; a form whose stored tensors break the reading kernel's
         contract (layer 2) or alignment (layer 4) cannot resume anywhere and reports that
-        reason. Raises RuntimeError if L* itself is not a multiple of U (an internal invariant).
+        reason. ``vetoes`` names forms that must not be used (with the reason they report).
+        Raises RuntimeError if L* itself is not a multiple of U (an internal invariant).
         """
         hit = self.index.hit_blocks(hashes) * self.unit_tokens if self.config.enable_prefix_caching else 0
-        failures = self.validation_failures() if hit else {}
-        forms = [_Vetoed(f.form, failures[f.form]) if f.form in failures else f for f in self.forms]
+        reasons = {form: failure.reason for form, failure in (self.validation_failures() if hit else {}).items()}
+        reasons |= dict(vetoes or {})
+        forms = [_Vetoed(f.form, reasons[f.form]) if f.form in reasons else f for f in self.forms]
         plan = plan_resume(forms, hashes, prompt_tokens, hit, self.unit_tokens)
+        plan = dataclasses.replace(plan, pool_versions=tuple((f.form, tuple(p.version for p in f.pools)) for f in self.forms))
         failure = check_granularity(plan.resume_tokens, self.unit_tokens)
         if failure is not None:
             raise RuntimeError(f"resume point {plan.resume_tokens} fails validation: {failure}")
@@ -384,10 +400,19 @@ class PrefixCache:
         allocations can never evict what its lookup matched (case C8).
 
         Raises:
-            RuntimeError: an object the plan relies on is gone (an internal invariant).
+            StaleResume: a form's pools changed since the lookup and it can no longer resume at
+                L* (nothing is leased then).
+            RuntimeError: an object the plan relies on is gone although its pool did not change
+                (an internal invariant).
         """
         resume = plan.resume_tokens
         u = self.unit_tokens
+        if resume:
+            versions = dict(plan.pool_versions)
+            for f in self.forms:
+                changed = versions.get(f.form) != tuple(p.version for p in f.pools)
+                if changed and f.resume_at_most(hashes, resume) < resume:
+                    raise StaleResume(f.form)
         seq = PagedSequence(
             self, token_ids, hashes[: len(token_ids) // u], resume, self.checkpoint_positions(plan)
         )

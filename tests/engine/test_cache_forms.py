@@ -202,3 +202,38 @@ def test_one_frozen_spec_per_form() -> None:
     assert all(s.bytes_per_block > 0 and s.fingerprints for s in specs.values())
     with pytest.raises(AttributeError):
         full.granularity_tokens = 1  # type: ignore[misc]
+
+
+def test_object_changed_between_lookup_and_lease_degrades_to_recompute() -> None:
+    """Red line 3 (TOCTOU): a page the lookup matched is invalidated before the request leases
+    it (as another thread could); the request does not read it, recomputes, and full_kv says
+    ``epoch_changed``. A change elsewhere in a pool that leaves the plan valid changes nothing."""
+    sink = ListSink()
+    llm = LLM(cache=CFG, check_invariants=True, telemetry=sink)
+    base = tokens(100, 48)
+    assert_warm_equals_cold(llm, base)
+    full = next(f for f in llm.cache.kv_forms if f.form == Form.FULL_KV)
+    lookup = llm.cache.lookup
+    victims: list[int] = []
+
+    def lookup_then_invalidate(hashes, prompt_tokens, vetoes=None):  # type: ignore[no-untyped-def]
+        plan = lookup(hashes, prompt_tokens, vetoes)
+        if victims:
+            full.pool.invalidate(victims.pop())
+        return plan
+
+    llm.cache.lookup = lookup_then_invalidate  # type: ignore[method-assign]
+    follow_up = [*base, *tokens(10, 49)]
+    hashes = llm.cache.block_hashes(follow_up)
+    victims.append(full.pool.lookup(hashes[2]))  # a page inside the matched prefix
+    out = assert_warm_equals_cold(llm, follow_up)
+    verdict = out.cache.form(Form.FULL_KV)
+    assert (verdict.outcome, verdict.reason) == (Outcome.INVALIDATED, Reason.EPOCH_CHANGED)
+    assert out.resume_tokens == 0 and out.cache.limiting_reason == Reason.EPOCH_CHANGED
+    assert_no_leases(llm)
+    # an unrelated page invalidated in between: the plan still holds, the request resumes
+    other = tokens(70, 50)
+    assert_warm_equals_cold(llm, other)
+    victims.append(full.pool.lookup(llm.cache.block_hashes(other)[0]))
+    again = assert_warm_equals_cold(llm, [*follow_up, *tokens(5, 51)])
+    assert again.resume_tokens > 0 and again.cache.form(Form.FULL_KV).outcome == Outcome.HIT
