@@ -383,15 +383,19 @@ class LLM:
         if "full_attention" in self.layout.layer_types and pages > c.full_kv_blocks - 1:
             raise RequestTooLarge(
                 f"a request of {prompt_tokens} prompt + {max_tokens} output tokens needs {pages} full_kv "
-                f"pages; the pool has {c.full_kv_blocks - 1} (raise CacheConfig.full_kv_blocks)"
+                f"pages; the pool has {c.full_kv_blocks - 1} (raise {self._size_knob('CacheConfig.full_kv_blocks')})"
             )
         window = self.layout.sliding_window
         window_pages = self.cache.window_pages_needed(window, max_tokens) if window is not None else 0
         if window_pages > c.swa_blocks - 1:
             raise RequestTooLarge(
                 f"a request generating {max_tokens} tokens may hold {window_pages} swa_window pages; "
-                f"the pool has {c.swa_blocks - 1} (raise CacheConfig.swa_blocks)"
+                f"the pool has {c.swa_blocks - 1} (raise {self._size_knob('CacheConfig.swa_blocks')})"
             )
+
+    def _size_knob(self, field: str) -> str:
+        """The setting that sizes a pool: its own field, or the budget when a memory plan sized it."""
+        return "CacheConfig.memory_bytes" if self.cache_config.memory_bytes is not None else field
 
     def _normalise_prompts(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -408,3 +412,14 @@ class LLM:
             else:
                 raise ValueError(f"a prompt must be text or a list of token ids, got {type(p).__name__}")
         return out
+
+
+def check_cache_config(model: str | Path, cache: CacheConfig) -> None:
+    """Fail early, before services start, when ``cache`` cannot serve ``model`` (a compression
+    ratio that does not tile the prefix-match unit, a budget too small for the headroom, pools
+    too small for one request).
+
+    Raises:
+        ValueError: naming the setting to change.
+    """
+    LLM(model, device="cpu", cache=cache)

@@ -1,4 +1,6 @@
-"""The ``kvscope`` command line (DESIGN.md §10).
+"""kvscope: a hybrid-attention engine with a per-form prefix cache, its telemetry agent, alerts and dashboard.
+
+The command line of docs/design.md §10.
 
 Every subcommand parses its flags here and calls into the package that does the work. User
 errors (a bad trace, bad SQL, a bad config, a locked database) print one clear line on stderr
@@ -97,11 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text")
     gen.add_argument("--model", default="kvscope_hybrid-small", help="preset name or model directory (default: %(default)s, trained)")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
 
     sql = sub.add_parser("sql", help="ad-hoc read-only SQL over the cache logs")
     sql.add_argument("query")
@@ -131,6 +133,25 @@ class UserError(Exception):
     """An error the user can fix (bad input, bad config, an unreachable agent)."""
 
 
+CACHE_FLAGS = {
+    "CacheConfig.unit_tokens": "--unit-tokens",
+    "CacheConfig.full_kv_blocks": "--full-kv-blocks",
+    "CacheConfig.swa_blocks": "--swa-blocks",
+    "CacheConfig.linear_checkpoints": "--linear-checkpoints",
+    "CacheConfig.compressed_blocks": "--compressed-blocks",
+    "CacheConfig.tail_slots": "--tail-slots",
+    "CacheConfig.memory_bytes": "--cache-memory-mib",
+}
+
+
+def _cache_error(exc: Exception) -> UserError:
+    """A cache configuration error, worded with the flags the user typed."""
+    text = str(exc)
+    for field, flag in CACHE_FLAGS.items():
+        text = text.replace(field, flag)
+    return UserError(text)
+
+
 def _replay_config(args: argparse.Namespace) -> tuple[ReplayConfig, CacheConfig]:
     """Replay and cache settings from the flags; the checkpoint interval (8·U) and the prefill
     chunk (32·U) follow the prefix-match unit."""
@@ -158,7 +179,7 @@ def _replay_config(args: argparse.Namespace) -> tuple[ReplayConfig, CacheConfig]
             ),
         )
     except ValueError as exc:
-        raise UserError(str(exc)) from None
+        raise _cache_error(exc) from None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -182,7 +203,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         return run_up(opts)
     except (TraceError, ValueError) as exc:
-        raise UserError(str(exc)) from None
+        raise _cache_error(exc) from None
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -254,7 +275,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             console=err,
         )
     except (TraceError, ValueError) as exc:
-        raise UserError(str(exc)) from None
+        raise _cache_error(exc) from None
     consistent = True
     if args.agent:
         summary, consistent = stored_summary(args.agent, run, err)

@@ -27,6 +27,7 @@ from rich.console import Console
 
 from agent.store import lock_holder
 from engine.cache import CacheConfig
+from engine.llm import check_cache_config
 from engine.presets import check_model_ref
 from engine.trace.formats import TraceError, load_trace
 from engine.trace.replay import ReplayConfig
@@ -59,12 +60,13 @@ def run_up(opts: UpOptions) -> int:
     if not requests:
         raise TraceError(f"{trace_path}: the trace holds no requests")
     check_model_ref(opts.model)  # an unknown model fails before anything starts
+    check_cache_config(opts.model, opts.cache)  # so does a cache the model cannot use
     if opts.data_dir.exists() and not opts.data_dir.is_dir():
         raise ValueError(f"--data-dir {opts.data_dir} is a file, not a directory")
     for name, port in (("agent", opts.agent_port), ("dashboard", opts.dashboard_port)):
         if (name == "agent" or opts.dashboard) and not port_is_free("127.0.0.1", port):
             err.print(
-                f"[red]port {port} for the {name} is in use (another kvscope up?): stop it, or run "
+                f"[red]kvscope up: port {port} for the {name} is in use (another kvscope up?): stop it, or run "
                 f"this one with --{name}-port and its own --data-dir[/]"
             )
             return 2

@@ -48,8 +48,9 @@ class BlockPool:
 
     Epochs. ``epoch[b]`` changes whenever what block ``b`` holds may have changed under a
     lease holder: on ``allocate``, ``evict`` (inside ``allocate``) and ``invalidate``
-    (the rule is in :mod:`engine.cache.lifecycle`). A holder compares the epoch at use time
-    with the one it saw at lookup.
+    (the rule is in :mod:`engine.cache.lifecycle`). Epochs are reported with every lookup;
+    ``version`` counts changes of the hash map, which the cache re-checks between a lookup and
+    its leases.
 
     Args:
         name: the form's name, used in messages.

@@ -19,6 +19,11 @@ splits into objects with different lifetimes, each its own form:
 
 The window rows of these layers are ``swa_window`` pages (:class:`~engine.cache.forms.PagedKVForm`).
 
+Stamps: on the device a hash names its whole prefix, so a page or slot found under the right
+hash always carries the right boundary; the stamps (``page_end``, ``slot_tokens``,
+``slot_boundaries``) are checked anyway because objects restored from host or disk are matched by
+stamp as well as by hash (``compressed_version_mismatch`` / ``tail_version_mismatch``).
+
 Page size and ratio: a compression ratio r must divide U or be a multiple of it, so that
 ``b`` always falls on a page edge and the tail is at most ``r − U`` rows; other ratios are
 refused (no least-common-multiple page, case C4).
@@ -29,6 +34,7 @@ Source of the state's math: DeepSeek-V4 paper §2.3 and transformers'
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -61,7 +67,7 @@ def page_tokens(unit_tokens: int, ratio: int) -> int:
     if unit_tokens % ratio and ratio % unit_tokens:
         raise ValueError(
             f"compression ratio {ratio} neither divides the prefix-match unit U = {unit_tokens} nor is a "
-            f"multiple of it; choose CacheConfig.unit_tokens accordingly"
+            f"multiple of it; choose CacheConfig.unit_tokens accordingly (e.g. {ratio} or a divisor of it)"
         )
     return max(unit_tokens, ratio)
 
@@ -133,6 +139,8 @@ class EntryPages:
         )
         self.page_end = [0] * num_blocks
         self._memo: tuple[Sequence[BlockHash], int, int, int] | None = None  # hashes, version, scanned, present
+        self._not_stored: OrderedDict[BlockHash, None] = OrderedDict()
+        """Pages recently left unstored because every block was leased."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -183,15 +191,16 @@ class EntryPages:
         return next((p for p in range(self.pages_needed(resume_tokens)) if self.block_of(hashes, p) is None), None)
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int, evicted: Reason, stale: Reason) -> Reason:
-        """``evicted`` when the first missing page was evicted, ``stale`` when a page under that
-        hash holds another boundary version, else ``below_granularity`` (never stored)."""
+        """``evicted`` when the first missing page was evicted or could not be stored for lack
+        of room (memory pressure either way), ``stale`` when a page under that hash holds
+        another boundary version, else ``below_granularity`` (never stored)."""
         page = self.first_missing(hashes, resume_tokens)
         if page is None:
             return Reason.NONE
         h = self.page_hash(hashes, page)
         if self.pool.lookup(h) is not None:
             return stale
-        return evicted if self.pool.was_evicted(h) else Reason.BELOW_GRANULARITY
+        return evicted if self.pool.was_evicted(h) or h in self._not_stored else Reason.BELOW_GRANULARITY
 
     def lease_pages(self, hashes: Sequence[BlockHash], resume_tokens: int) -> list[int]:
         """Lease every page a resume at ``resume_tokens`` reads; returns their blocks in order.
@@ -220,31 +229,42 @@ class EntryPages:
         rows = self.entries[torch.tensor(blocks, dtype=torch.long, device=self.entries.device)]  # [B, n, E, D]
         return {layer: rows[:, i].reshape(-1, rows.shape[-1]).clone() for i, layer in enumerate(self.group.layers)}
 
-    def store(self, hashes: Sequence[BlockHash], states: Mapping[int, CompressedLayerState], first_page: int) -> int:
-        """Store every complete page from ``first_page`` on (allocate, write, publish, release);
-        pages already cached under their hash are skipped. Returns the number of pages now
-        complete in ``states`` (the next ``first_page``); stops early, logging nothing, when every
-        block is leased (the request then simply caches less)."""
+    def store(self, hashes: Sequence[BlockHash], states: Mapping[int, CompressedLayerState], table: list[int]) -> None:
+        """Store every complete page of ``states`` past ``table`` (the request's leased pages of
+        this prefix, in page order) and append it there, leased: a page already cached under its
+        hash is leased as it is, a new one is allocated, written and published. Stops early when
+        every block is leased (the request then simply caches less; a later commit retries).
+
+        The request keeps its pages leased until it finishes, then releases them tail first (as
+        full-KV pages), so a prefix's first pages — which every later page needs — outlive its
+        last ones.
+        """
         counts = {_compressor(states[layer], self.group.which).num_entries for layer in self.group.layers}
         if len(counts) != 1:
             raise RuntimeError(f"{self.pool.name}: layers of one group hold different entry counts {sorted(counts)}")
         complete = counts.pop() // self.entries_per_page
         e = self.entries_per_page
-        for page in range(first_page, complete):
+        for page in range(len(table), complete):
             h = self.page_hash(hashes, page)
-            if self.pool.lookup(h) is not None:
+            block = self.pool.lookup(h)
+            if block is not None:
+                self.pool.lease(block)
+                table.append(block)
                 continue
             try:
                 block = self.pool.allocate()
-            except PoolExhausted:
-                return page
+            except PoolExhausted:  # memory pressure: remembered like an eviction
+                self._not_stored[h] = None
+                if len(self._not_stored) > self.pool.num_blocks:
+                    self._not_stored.popitem(last=False)
+                return
+            self._not_stored.pop(h, None)
             for i, layer in enumerate(self.group.layers):
                 rows = _compressor(states[layer], self.group.which).entries[page * e : (page + 1) * e]
                 self.entries[block, i].copy_(rows)
             self.page_end[block] = (page + 1) * self.page_tokens
             self.pool.publish(block, h)
-            self.pool.release(block)
-        return max(first_page, complete)
+            table.append(block)
 
 
 class BoundarySlots:

@@ -15,8 +15,10 @@ transition after which a lease holder that read the epoch before could see diffe
 an object that no longer exists: a new object is written (``allocate``), the object is dropped
 (``evict``) or declared wrong (``invalidate``), or its bytes are rewritten from a lower tier
 (``swap_in_done``). Publishing, leasing, releasing and copying out keep the bytes, so they keep
-the epoch. A holder compares the epoch at use time with the one it saw at lookup (DESIGN.md §4,
-red line 3 "TOCTOU": a changed epoch degrades to recompute with reason ``epoch_changed``).
+the epoch. Epochs are reported with every lookup. Between a lookup and its leases the cache
+re-checks the pools it planned on (``BlockPool.version``) and degrades a form that changed to
+recompute with reason ``epoch_changed`` (DESIGN.md §4, red line 3 "TOCTOU"); once leased, an
+object can only be invalidated, which bumps its epoch.
 
 The swap states and events belong to the host/disk tiers; ``BlockPool`` does not use them yet.
 """
@@ -311,8 +313,8 @@ def render_markdown() -> str:
         "",
         "**Epoch rule.** The epoch is bumped by `allocate`, `evict`, `invalidate` and "
         "`swap_in_done`: after them a lease holder could see different bytes or an object that "
-        "no longer exists. A holder compares the epoch at use time with the one it saw at lookup; "
-        "a change degrades to recompute (`epoch_changed`).",
+        "no longer exists. Between a lookup and its leases the cache re-checks the pools it "
+        "planned on and degrades a changed form to recompute (`epoch_changed`).",
         "",
         "```mermaid",
         "stateDiagram-v2",

@@ -8,13 +8,12 @@ all of them. The plan instead gives every form the blocks it needs to hold the *
 prefix tokens C (the cached capacity), after reserving **headroom** that caching may never use:
 
 * ``swa_window`` — the window pages one running request holds while its window slides (the
-  window behind its last checkpoint, one prefill chunk and its decoded tokens), so window
+  window behind its last checkpoint, one prefill chunk and one checkpoint interval), so window
   eviction never has to take a cached boundary's tail to make progress;
-* ``compressed_kv`` / indexer key pages — one page per group for the entries the running request
-  is forming (compression advancing past a page edge);
 * tail, indexer pending and ``linear_state`` slots — one slot, for the checkpoint the running
   request stores;
-* ``full_kv`` — the pages of one maximum-length request.
+* ``full_kv`` and compressed entry pages — none: the pages a running request holds are the
+  prefix it caches.
 
 A cached boundary keeps its window tail, so the window pool's cached share is ``C / interval``
 boundaries × the window's pages. Source of the idea: vLLM's ``KVCacheConfig`` (one budget split
@@ -30,15 +29,15 @@ from dataclasses import dataclass
 from engine.cache.config import CacheConfig
 from engine.events import Form
 
-POOL_FIELDS = {
-    Form.FULL_KV: "full_kv_blocks",
-    Form.SWA_WINDOW: "swa_blocks",
-    Form.COMPRESSED_KV: "compressed_blocks",
-    Form.UNCOMPRESSED_TAIL: "tail_slots",
-    Form.INDEXER_STATE: "compressed_blocks",
-    Form.LINEAR_STATE: "linear_checkpoints",
-}
-"""The CacheConfig field that sizes each form's pools."""
+POOL_FIELDS = (
+    "full_kv_blocks",
+    "swa_blocks",
+    "compressed_blocks",
+    "tail_slots",
+    "linear_checkpoints",
+)
+"""The CacheConfig fields that size pools (every entry-page pool shares ``compressed_blocks``;
+the tail and indexer pending-row slot pools share ``tail_slots``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,6 +47,7 @@ class PoolPlan:
 
     name: str
     form: Form
+    config_field: str
     blocks: int
     bytes_per_block: int
     tokens_per_block: int
@@ -100,32 +100,40 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def headroom(form: Form, config: CacheConfig, window_pages: int) -> int:
-    """Blocks of a pool of ``form`` that one running request may hold (see module docstring)."""
-    if form == Form.SWA_WINDOW:
+def headroom(field: str, window_pages: int) -> int:
+    """Blocks of a pool sized by config ``field`` that one running request may hold beyond what
+    it caches (see module docstring)."""
+    if field == "swa_blocks":
         return window_pages
-    if form == Form.FULL_KV:
-        return 0  # a full-KV request's pages are what it caches
+    if field in ("full_kv_blocks", "compressed_blocks"):
+        return 0  # a running request's pages are the prefix it caches
     return 1
 
 
 def capacity_tokens(pools: list[PoolPlan], budget_bytes: int) -> int:
-    """The largest C (a multiple of the coarsest block) such that every pool holding C tokens
-    beyond its headroom fits in ``budget_bytes``.
+    """The largest C (a multiple of the coarsest block, at least one of it) such that every
+    pool holding C tokens beyond its headroom — ⌈C / tokens per block⌉ + headroom + the sentinel
+    blocks — fits in ``budget_bytes``.
 
     Raises:
-        ValueError: the budget does not cover the headroom and one block of each pool.
+        ValueError: the budget cannot hold the headroom and one coarsest block of every pool.
     """
-    fixed = sum((p.headroom_blocks + 1) * p.bytes_per_block for p in pools)
-    per_token = sum(p.bytes_per_block / p.tokens_per_block for p in pools)
-    if budget_bytes < fixed or per_token <= 0:
-        raise ValueError(
-            f"a cache budget of {budget_bytes} bytes cannot hold the headroom of every pool "
-            f"({fixed} bytes); raise CacheConfig.memory_bytes"
-        )
     step = max(p.tokens_per_block for p in pools)
-    tokens = int((budget_bytes - fixed) / per_token)
-    return max(step, tokens - tokens % step)
+
+    def cost(tokens: int) -> int:
+        return sum((-(-tokens // p.tokens_per_block) + p.headroom_blocks + 1) * p.bytes_per_block for p in pools)
+
+    per_token = sum(p.bytes_per_block / p.tokens_per_block for p in pools)
+    tokens = int((budget_bytes - cost(0)) / per_token) if per_token > 0 else 0
+    tokens -= tokens % step
+    while tokens >= step and cost(tokens) > budget_bytes:  # ceilings can add a block per pool
+        tokens -= step
+    if tokens < step:
+        raise ValueError(
+            f"a cache budget of {budget_bytes / 2**20:.2f} MiB cannot hold the headroom of every pool plus "
+            f"{step} tokens of prefix (needs {cost(step) / 2**20:.2f} MiB); raise the budget"
+        )
+    return tokens
 
 
 def sized_config(config: CacheConfig, pools: list[PoolPlan]) -> tuple[CacheConfig, int]:
@@ -140,11 +148,12 @@ def sized_config(config: CacheConfig, pools: list[PoolPlan]) -> tuple[CacheConfi
         raise ValueError("sized_config needs CacheConfig.memory_bytes")
     by_field: dict[str, list[PoolPlan]] = {}
     for p in pools:
-        by_field.setdefault(POOL_FIELDS[p.form], []).append(p)
+        by_field.setdefault(p.config_field, []).append(p)
     merged = [
         PoolPlan(
             name=field,
             form=members[0].form,
+            config_field=field,
             blocks=0,
             bytes_per_block=sum(p.bytes_per_block for p in members),
             tokens_per_block=min(p.tokens_per_block for p in members),

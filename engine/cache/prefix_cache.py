@@ -232,7 +232,7 @@ class PrefixCache:
         """
         if config.memory_bytes is None:
             return cls(layout, config, model_name, device, dtype)
-        probe_sizes = dict.fromkeys(set(POOL_FIELDS.values()), 2)
+        probe_sizes = dict.fromkeys(POOL_FIELDS, 2)
         probe_config = CacheConfig(**{**dataclasses.asdict(config), **probe_sizes, "memory_bytes": None})
         probe = cls(layout, probe_config, model_name, device, dtype)
         sized, tokens = sized_config(config, probe.pool_plans())
@@ -249,15 +249,16 @@ class PrefixCache:
         window_pages = self.window_pages_needed(window, 0) if window is not None else 0
         out: list[PoolPlan] = []
 
-        def add(pool: BlockPool, form: Form, bytes_per_block: int, tokens_per_block: int) -> None:
+        def add(pool: BlockPool, form: Form, field: str, bytes_per_block: int, tokens_per_block: int) -> None:
             out.append(
                 PoolPlan(
                     name=pool.name,
                     form=form,
+                    config_field=field,
                     blocks=pool.num_blocks - 1,
                     bytes_per_block=bytes_per_block,
                     tokens_per_block=max(1, tokens_per_block),
-                    headroom_blocks=headroom(form, c, window_pages),
+                    headroom_blocks=headroom(field, window_pages),
                 )
             )
 
@@ -268,15 +269,15 @@ class PrefixCache:
                 # interval overlap, so the pool then keeps every page of the prefix
                 tail_pages = -(-(kv.window - 1) // u) + 1
                 tokens = interval // min(interval // u, tail_pages)
-            add(kv.pool, kv.form, kv.bytes_per_block, tokens)
+            add(kv.pool, kv.form, "full_kv_blocks" if kv.window is None else "swa_blocks", kv.bytes_per_block, tokens)
         for pages in self.entry_groups():
             form = Form.COMPRESSED_KV if pages.group.which == MAIN else Form.INDEXER_STATE
-            add(pages.pool, form, pages.bytes_per_block, pages.page_tokens)
+            add(pages.pool, form, "compressed_blocks", pages.bytes_per_block, pages.page_tokens)
         for f in (self.tail, self.indexer):
             if f is not None:
-                add(f.slots.pool, f.form, f.slots.bytes_per_block, interval)
+                add(f.slots.pool, f.form, "tail_slots", f.slots.bytes_per_block, interval)
         if self.linear is not None:
-            add(self.linear.pool, Form.LINEAR_STATE, self.linear.bytes_per_block, c.checkpoint_interval_tokens)
+            add(self.linear.pool, Form.LINEAR_STATE, "linear_checkpoints", self.linear.bytes_per_block, c.checkpoint_interval_tokens)
         return out
 
     def form_specs(self) -> dict[Form, FormSpec]:
@@ -445,7 +446,7 @@ class PrefixCache:
                     finally:
                         self.linear.pool.release(slot)
             if self.compressed is not None:
-                seq.compressed_states = self._restore_compressed(hashes, resume) if resume else {}
+                seq.compressed_states = self._restore_compressed(hashes, resume, seq.entry_tables) if resume else {}
         except BaseException:
             seq.finish()  # give back the leases taken so far
             raise
@@ -469,10 +470,10 @@ class PrefixCache:
                 positions.add(p)
         return frozenset(positions)
 
-    def _restore_compressed(self, hashes: Sequence[BlockHash], resume: int) -> dict[int, CompressedLayerState]:
+    def _restore_compressed(self, hashes: Sequence[BlockHash], resume: int, tables: list[list[int]]) -> dict[int, CompressedLayerState]:
         """The working state of every CSA/HCA layer at ``resume``: entries from the
-        ``compressed_kv`` and indexer key pages, rows from the tail and indexer slots (each
-        leased while copied).
+        ``compressed_kv`` and indexer key pages (which stay leased in the request's ``tables``
+        until it finishes), rows from the tail and indexer slots (leased while copied).
 
         Raises:
             RuntimeError: an object the plan relies on is gone (an internal invariant).
@@ -483,10 +484,9 @@ class PrefixCache:
         leased: list[tuple[BlockPool, int]] = []
         try:
             entries = []
-            for pages in entry_forms:
-                blocks = pages.lease_pages(hashes, resume)
-                leased += [(pages.pool, b) for b in blocks]
-                entries.append((pages.group.which, pages.read(blocks)))
+            for pages, table in zip(entry_forms, tables, strict=True):
+                table.extend(pages.lease_pages(hashes, resume))  # released by PagedSequence.finish
+                entries.append((pages.group.which, pages.read(table)))
             states = restore_states(self.compressed_specs, resume, entries, self.device)
             for slots in slot_forms:
                 slot = slots.slot_at(hashes, resume)
@@ -546,13 +546,12 @@ class PrefixCache:
                 stored = False
         return stored
 
-    def store_entries(self, hashes: Sequence[BlockHash], states: dict[int, CompressedLayerState], first_pages: list[int]) -> list[int]:
-        """Store the complete entry pages of every compressed and indexer group (from
-        ``first_pages[i]`` on for group i); returns the new ``first_pages``."""
-        groups = self.entry_groups()
-        if not groups or not states:
-            return first_pages
-        return [g.store(hashes, states, first) for g, first in zip(groups, first_pages, strict=True)]
+    def store_entries(self, hashes: Sequence[BlockHash], states: dict[int, CompressedLayerState], tables: list[list[int]]) -> None:
+        """Store the complete entry pages of every compressed and indexer group past the
+        request's leased pages ``tables[i]`` of group i (see :meth:`EntryPages.store`)."""
+        if states:
+            for g, table in zip(self.entry_groups(), tables, strict=True):
+                g.store(hashes, states, table)
 
     def entry_groups(self) -> list[EntryPages]:
         out = list(self.compressed.groups) if self.compressed is not None else []
@@ -567,8 +566,8 @@ class PrefixCache:
         * the prefix index counts exactly the published objects of all forms;
         * leases are owned: a KV page's ref count equals the number of running requests whose
           block table holds it; a page being written (unpublished) belongs to exactly one
-          request; compressed pages and slots are leased only inside a step, so none is leased
-          between steps;
+          request; compressed entry pages likewise (leased by the requests holding them);
+          tail, indexer-row and checkpoint slots are leased only inside a step;
         * with a memory plan, the pools fit the byte budget.
         """
         expected: Counter[BlockHash] = Counter()
@@ -585,11 +584,18 @@ class PrefixCache:
                 assert rc == held[block], f"{form.form}: block {block} has {rc} leases, {held[block]} running requests hold it"
                 if rc and form.pool.block_hash[block] is None:
                     assert held[block] == 1, f"{form.form}: unpublished block {block} is written by {held[block]} requests"
+        for i, pages in enumerate(self.entry_groups()):
+            held = Counter(b for seq in running for b in seq.entry_tables[i])
+            for block in range(1, pages.pool.num_blocks):
+                rc = pages.pool.ref_count[block]
+                assert rc == held[block], f"{pages.pool.name}: block {block} has {rc} leases, {held[block]} running requests hold it"
+        entry_pools = {id(g.pool) for g in self.entry_groups()}
         for f in self.forms:
             if isinstance(f, PagedKVForm):
                 continue
             for pool in f.pools:
-                assert pool.num_leased == 0, f"{pool.name}: {pool.num_leased} blocks leased between steps"
+                if id(pool) not in entry_pools:
+                    assert pool.num_leased == 0, f"{pool.name}: {pool.num_leased} slots leased between steps"
         if self.budget is not None:
             total = sum(p.bytes for p in self.pool_plans())
             assert total <= self.budget[0], f"the pools take {total} bytes, over the {self.budget[0]}-byte budget"

@@ -21,6 +21,7 @@ decodes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,6 +38,8 @@ from engine.model.state import (
     CompressedLayerState,
     LinearLayerState,
 )
+
+_SERIALS = itertools.count()
 
 WINDOW_TAIL_PRIORITY = 1
 """Eviction priority of the window pages behind a request's last resume boundary."""
@@ -69,6 +72,8 @@ class PagedSequence:
         checkpoint_positions: frozenset[int],
     ) -> None:
         self.cache = cache
+        self.serial = next(_SERIALS)
+        """Unique per sequence for the life of the process (names its eviction groups)."""
         self.token_ids = list(token_ids)
         self.hashes = list(hashes)
         self.unit_tokens = cache.unit_tokens
@@ -81,8 +86,9 @@ class PagedSequence:
         self.compressed_states: dict[int, CompressedLayerState] = {}
         """The request's own copy of every CSA/HCA layer's state (restored from the compressed
         forms at L*; what it adds is stored back at each commit and checkpoint)."""
-        self.entry_pages_stored = [g.pages_needed(resume_tokens) for g in cache.entry_groups()]
-        """Per entry-page group of the cache: pages of this prefix known to be stored."""
+        self.entry_tables: list[list[int]] = [[] for _ in cache.entry_groups()]
+        """Per entry-page group of the cache: the blocks of this prefix's compressed entry pages
+        the request holds leased, in page order (restored at L*, then stored at commits)."""
         self.checkpoint_positions = checkpoint_positions
         """Where this request stores recurrent checkpoints (prefill chunks end there)."""
         self.window_evicted: set[PagedKVForm] = set()
@@ -175,7 +181,7 @@ class PagedSequence:
                     if table[page] != SENTINEL_BLOCK and self._page_backs_a_resume_point(form, page):
                         form.pool.publish(table[page], self.hashes[page])
             if self.compressed_states:
-                self.entry_pages_stored = self.cache.store_entries(self.hashes, self.compressed_states, self.entry_pages_stored)
+                self.cache.store_entries(self.hashes, self.compressed_states, self.entry_tables)
             if (
                 take_checkpoint
                 and end % u == 0
@@ -243,7 +249,7 @@ class PagedSequence:
                         form.pool.release(block)
             else:
                 tail = form.needed_pages(anchor)  # the window a follow-up resumes on
-                group = (id(self), anchor)  # its pages are worth keeping only together
+                group = (self.serial, anchor)  # its pages are worth keeping only together
                 # admission: a request whose own window had been evicted (the pool is thrashing)
                 # does not get its tail protected, or it would evict the next session's in turn
                 priority = 0 if form in self.window_evicted else WINDOW_TAIL_PRIORITY
@@ -254,6 +260,10 @@ class PagedSequence:
                         form.pool.release(table[page], priority=priority, group=group)
                     else:
                         form.pool.release(table[page])
+            table.clear()
+        for pages, table in zip(self.cache.entry_groups(), self.entry_tables, strict=True):
+            for block in reversed(table):  # tail first: a prefix outlives its tail
+                pages.pool.release(block)
             table.clear()
         self.linear_states.clear()
         self.compressed_states.clear()

@@ -208,14 +208,14 @@ C2_CASES = {
         {Form.SWA_WINDOW: Reason.SWA_EVICTED},
         0,
     ),
-    "compressed_kv-hca": (
+    "compressed_kv-hca": (  # A's last pages find no room: its first 3 pages stay usable
         FA_HCA16,
         {"compressed_blocks": 4},
         100,
         (),
         100,
         {Form.COMPRESSED_KV: Reason.COMPRESSED_EVICTED},
-        0,
+        48,
     ),
     "compressed_kv-csa": (
         FA_CSA,

@@ -237,3 +237,33 @@ def test_object_changed_between_lookup_and_lease_degrades_to_recompute() -> None
     victims.append(full.pool.lookup(llm.cache.block_hashes(other)[0]))
     again = assert_warm_equals_cold(llm, [*follow_up, *tokens(5, 51)])
     assert again.resume_tokens > 0 and again.cache.form(Form.FULL_KV).outcome == Outcome.HIT
+
+
+def test_compressed_pages_keep_the_start_of_a_prefix() -> None:
+    """Entry pages are usable only from page 0 up to the first gap, so under pressure a prefix
+    must lose its last pages first (as full-KV pages do): a repeated prompt longer than the pool
+    still resumes on the pages that remain."""
+    llm = LLM("deepseek_v4-tiny", cache=CacheConfig(unit_tokens=U, compressed_blocks=5, checkpoint_interval_tokens=32), check_invariants=True)
+    ids = tokens(100, 52)  # 6 pages of r4 entries, 3 of r16: more than 4 usable blocks
+    assert_warm_equals_cold(llm, ids)
+    out = assert_warm_equals_cold(llm, [*ids, *tokens(20, 53)])
+    assert out.cache.form(Form.COMPRESSED_KV).usable_tokens >= 64
+    assert out.resume_tokens >= 64
+    assert_no_leases(llm)
+
+
+@pytest.mark.parametrize("model", ["kvscope_hybrid-tiny", "deepseek_v4-tiny"])
+def test_memory_plan_never_exceeds_its_budget(model: str) -> None:
+    smallest = None
+    for mib in (0.5, 0.75, 1.0, 1.1, 1.25, 1.5, 2, 3, 5, 8):
+        budget = int(mib * 2**20)
+        try:
+            llm = LLM(model, cache=CacheConfig(unit_tokens=U, checkpoint_interval_tokens=32, memory_bytes=budget))
+        except ValueError as exc:
+            assert "raise the budget" in str(exc)
+            continue
+        smallest = smallest or mib
+        real = sum(t.tensor.numel() * t.tensor.element_size() for f in llm.cache.forms for t in f.stored_tensors())
+        plan = llm.cache.memory_plan()
+        assert plan.total_bytes <= budget and real <= budget, (mib, plan.total_bytes, real)
+    assert smallest is not None and smallest < 8
