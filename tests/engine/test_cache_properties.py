@@ -315,6 +315,8 @@ def scenarios(draw):
         full_kv_blocks=draw(st.integers(20, 40)),
         swa_blocks=draw(st.integers(16, 24)),
         linear_checkpoints=draw(st.integers(3, 6)),
+        compressed_blocks=draw(st.integers(3, 24)),  # entry pages under pressure too
+        tail_slots=draw(st.integers(2, 6)),
     )
     n_prefixes = draw(st.integers(1, 3))
     prefixes = [
@@ -534,6 +536,8 @@ def geometry_scenarios(draw):
         full_kv_blocks=draw(st.integers(20, 40)),
         swa_blocks=draw(st.integers(min_swa, min_swa + 6)),  # the smallest pool LLM accepts, up
         linear_checkpoints=draw(st.integers(3, 6)),
+        compressed_blocks=draw(st.integers(3, 24)),  # entry pages under pressure too
+        tail_slots=draw(st.integers(2, 6)),
     )
     n_prefixes = draw(st.integers(1, 3))
     prefixes = [
