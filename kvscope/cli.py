@@ -229,6 +229,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, **overrides)
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None
+    from kvscope.services import port_is_free
+
+    if not port_is_free(config.host, config.port):
+        raise UserError(f"port {config.port} on {config.host} is in use (another agent?): stop it, or choose another --port")
     try:
         serve(config)
     except SchemaTooNewError as exc:
