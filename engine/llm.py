@@ -144,7 +144,8 @@ class LLM:
     @torch.no_grad()
     def score(self, token_ids: Sequence[int], *, request_id: str | None = None) -> ScoreOutput:
         """Run a prompt through the prefix cache like a normal request (no decode) and return the
-        logits of the positions actually computed (L* … T−1)."""
+        logits of the positions actually computed (L* … T−1; L* − R … T−1 after a Tail-Replay of
+        R tokens, flagged ``approximate``)."""
         rid = request_id or self._next_request_id()
         result = self._run(list(token_ids), SamplingParams(max_tokens=0), rid, keep_logits=True)
         assert result.logits is not None
@@ -242,7 +243,13 @@ class LLM:
             if self.check_invariants:
                 self.cache.check_invariants()
         e2e = time.perf_counter() - t0
-        report = CacheReport(plan=plan, admission=Admission.EXACT if plan.resume_tokens else Admission.COLD)
+        if plan.replayed_tokens:
+            admission = Admission.TAIL_REPLAY
+        else:
+            admission = Admission.EXACT if plan.resume_tokens else Admission.COLD
+        report = CacheReport(
+            plan=plan, admission=admission, approximate=plan.replayed_tokens > 0, replayed_tokens=plan.replayed_tokens
+        )
         self._emit_request(request_id, arrival_wall, report, len(outputs), ttft, e2e, epochs)
         return _RunResult(logits if keep_logits else None, last, outputs, report, ttft, e2e)
 
@@ -297,6 +304,8 @@ class LLM:
                     hash_hit_tokens=report.hash_hit_tokens,
                     usable_tokens=f.usable_tokens,
                     recoverable_tokens=f.recoverable_tokens,
+                    replayed_tokens=f.replayed_tokens,
+                    approximate=f.replayed_tokens > 0,
                     epoch=epochs.get(f.form, 0),
                 )
             )

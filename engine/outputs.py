@@ -77,7 +77,8 @@ class RequestOutput:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScoreOutput:
     """``LLM.score``: logits ``[T − L*, vocab]`` (float32) for positions L* … T−1, computed on
-    top of the reused state. Warm equals cold: ``logits ≈ prefill_logits(ids)[L*:]``."""
+    top of the reused state. Warm equals cold: ``logits ≈ prefill_logits(ids)[L*:]``. After a
+    Tail-Replay of R tokens (``approximate``) the logits cover L* − R … T−1."""
 
     request_id: str
     logits: Tensor

@@ -60,6 +60,7 @@ def _add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-checkpoints", type=_positive_int, default=defaults.linear_checkpoints, help="linear_state checkpoint slots (default: %(default)s)")
     p.add_argument("--compressed-blocks", type=_positive_int, default=defaults.compressed_blocks, help="pages per compressed_kv / indexer key pool (default: %(default)s)")
     p.add_argument("--tail-slots", type=_positive_int, default=defaults.tail_slots, help="uncompressed_tail / indexer pending-row slots (default: %(default)s)")
+    p.add_argument("--tail-replay", action="store_true", help="rebuild missing linear_state checkpoints by replaying the last tokens (approximate, flagged)")
     p.add_argument("--cache-memory-mib", type=_positive_int, default=None, help="one byte budget (MiB) for every pool: a memory plan replaces the block counts above")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
 
@@ -176,6 +177,7 @@ def _replay_config(args: argparse.Namespace) -> tuple[ReplayConfig, CacheConfig]
                 checkpoint_interval_tokens=8 * args.unit_tokens,
                 max_prefill_chunk_tokens=32 * args.unit_tokens,
                 memory_bytes=None if args.cache_memory_mib is None else args.cache_memory_mib * 2**20,
+                tail_replay=args.tail_replay,
             ),
         )
     except ValueError as exc:

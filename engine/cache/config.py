@@ -27,6 +27,14 @@ class CacheConfig:
             prompt end (the resume point a follow-up request needs).
         max_prefill_chunk_tokens: prefill runs in chunks of at most this many tokens.
         enable_prefix_caching: when False every request is a cold prefill and nothing is stored.
+        tail_replay: allow Tail-Replay for ``linear_state`` (off by default): when the exact
+            resume point is held back by a missing recurrent checkpoint, resume the other forms
+            at their common point L and rebuild the linear layers' state by replaying the last
+            R tokens from a zero state (approximate; nothing the request computes is cached).
+            Source: "Tail-Replay: Escaping the Curse of Linear Attention in Prefix Caching for
+            Hybrid LLMs" (2026).
+        replay_fraction, replay_min_tokens, replay_max_tokens: R = the fraction of L, rounded
+            up to U, clamped to [min, max] tokens.
         memory_bytes: when set, one byte budget for every pool: the block counts above are
             replaced by a memory plan that gives each form room for the same prefix length
             after headroom for running requests (:mod:`engine.cache.memory_plan`).
@@ -45,6 +53,10 @@ class CacheConfig:
     max_prefill_chunk_tokens: int = 512
     enable_prefix_caching: bool = True
     memory_bytes: int | None = None
+    tail_replay: bool = False
+    replay_fraction: float = 0.05
+    replay_min_tokens: int = 64
+    replay_max_tokens: int = 4096
 
     def __post_init__(self) -> None:
         for name in (
@@ -62,6 +74,13 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} = {value!r} must be a positive integer")
         if self.memory_bytes is not None and (not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0):
             raise ValueError(f"CacheConfig.memory_bytes = {self.memory_bytes!r} must be a positive integer or None")
+        if not 0.0 < self.replay_fraction <= 1.0:
+            raise ValueError(f"CacheConfig.replay_fraction = {self.replay_fraction!r} must be in (0, 1]")
+        if not 0 < self.replay_min_tokens <= self.replay_max_tokens:
+            raise ValueError(
+                f"CacheConfig.replay_min_tokens = {self.replay_min_tokens} and replay_max_tokens = "
+                f"{self.replay_max_tokens} must satisfy 0 < min <= max"
+            )
         if self.checkpoint_interval_tokens % self.unit_tokens:
             raise ValueError(
                 f"CacheConfig.checkpoint_interval_tokens = {self.checkpoint_interval_tokens} is not "

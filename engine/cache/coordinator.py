@@ -45,6 +45,8 @@ class FormLookup:
     reason: Reason
     usable_tokens: int
     recoverable_tokens: int
+    replayed_tokens: int = 0
+    """Tokens replayed to rebuild this form's state (Tail-Replay; outcome ``replayed``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +59,9 @@ class ResumePlan:
     limiting_form: Form | None
     limiting_reason: Reason
     forms: tuple[FormLookup, ...]
+    replayed_tokens: int = 0
+    """R > 0 for a Tail-Replay plan: computation starts at L* − R with the linear layers' state
+    zeroed there, and the result is approximate."""
     pool_versions: tuple[tuple[Form, tuple[int, ...]], ...] = ()
     """Each form's pool versions when the plan was made (what ``start`` re-checks)."""
 

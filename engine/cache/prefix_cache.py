@@ -31,7 +31,13 @@ from engine.cache.compressed import (
     restore_states,
 )
 from engine.cache.config import CacheConfig
-from engine.cache.coordinator import ResumePlan, plan_resume, resume_limit
+from engine.cache.coordinator import (
+    FormLookup,
+    ResumableForm,
+    ResumePlan,
+    plan_resume,
+    resume_limit,
+)
 from engine.cache.forms import KERNEL_ABI, LinearCheckpointForm, PagedKVForm
 from engine.cache.hashing import BlockHash, PrefixIndex, chain_hashes, root_hash
 from engine.cache.memory_plan import POOL_FIELDS, MemoryPlan, PoolPlan, headroom, sized_config
@@ -44,7 +50,7 @@ from engine.cache.validation import (
     check_granularity,
     check_kernel_contract,
 )
-from engine.events import Form, Reason
+from engine.events import Form, Outcome, Reason
 from engine.model.base import ModelLayout
 from engine.model.state import CompressedLayerState, LinearLayerState
 
@@ -357,11 +363,47 @@ class PrefixCache:
         reasons |= dict(vetoes or {})
         forms = [_Vetoed(f.form, reasons[f.form]) if f.form in reasons else f for f in self.forms]
         plan = plan_resume(forms, hashes, prompt_tokens, hit, self.unit_tokens)
+        if self.config.tail_replay and self.linear is not None and hit and Form.LINEAR_STATE not in reasons:
+            plan = self._tail_replay(plan, forms, hashes, prompt_tokens, hit)
         plan = dataclasses.replace(plan, pool_versions=tuple((f.form, tuple(p.version for p in f.pools)) for f in self.forms))
         failure = check_granularity(plan.resume_tokens, self.unit_tokens)
         if failure is not None:
             raise RuntimeError(f"resume point {plan.resume_tokens} fails validation: {failure}")
         return plan
+
+    def _tail_replay(
+        self, exact: ResumePlan, forms: Sequence[ResumableForm], hashes: Sequence[BlockHash], prompt_tokens: int, hit: int
+    ) -> ResumePlan:
+        """The Tail-Replay plan when it resumes further than ``exact``, else ``exact``.
+
+        L = the point every form but ``linear_state`` agrees on; R = ``replay_fraction``·L
+        rounded up to U and clamped to [``replay_min_tokens``, ``replay_max_tokens``]; the other
+        forms must resume exactly at L − R too (computation starts there, the linear layers
+        from a zero state). Worth it only when L − R > the exact L*. (Tail-Replay paper, 2026;
+        DESIGN.md §4.)
+        """
+        c, u = self.config, self.unit_tokens
+        others = [f for f in forms if f.form != Form.LINEAR_STATE]
+        if not others:  # a linear-only model has nothing else to resume on
+            return exact
+        alt = plan_resume(others, hashes, prompt_tokens, hit, u)
+        point = alt.resume_tokens
+        replay = min(max(-(-int(c.replay_fraction * point) // u) * u, c.replay_min_tokens), c.replay_max_tokens)
+        replay = -(-replay // u) * u
+        start = point - replay
+        if start <= exact.resume_tokens or any(f.resume_at_most(hashes, start) != start for f in others):
+            return exact
+        linear = exact.form(Form.LINEAR_STATE)
+        replayed = FormLookup(
+            form=Form.LINEAR_STATE,
+            outcome=Outcome.REPLAYED,
+            reason=linear.reason if linear.reason != Reason.NONE else Reason.LINEAR_CHECKPOINT_MISSING,
+            usable_tokens=linear.usable_tokens,
+            recoverable_tokens=0,  # no stored linear state was reused
+            replayed_tokens=replay,
+        )
+        verdicts = sorted([*alt.forms, replayed], key=lambda f: list(Form).index(f.form))
+        return dataclasses.replace(alt, forms=tuple(verdicts), replayed_tokens=replay)
 
     def validation_failures(self) -> dict[Form, ValidationFailure]:
         """Per form, the first stored tensor that breaks its reader's kernel contract (layer 2:
@@ -406,18 +448,20 @@ class PrefixCache:
             RuntimeError: an object the plan relies on is gone although its pool did not change
                 (an internal invariant).
         """
-        resume = plan.resume_tokens
+        resume = plan.resume_tokens - plan.replayed_tokens  # where computation starts
         u = self.unit_tokens
         if resume:
             versions = dict(plan.pool_versions)
             for f in self.forms:
                 changed = versions.get(f.form) != tuple(p.version for p in f.pools)
-                if changed and f.resume_at_most(hashes, resume) < resume:
+                rebuilt = plan.replayed_tokens and f.form == Form.LINEAR_STATE  # reads nothing stored
+                if changed and not rebuilt and f.resume_at_most(hashes, resume) < resume:
                     raise StaleResume(f.form)
         seq = PagedSequence(
             self, token_ids, hashes[: len(token_ids) // u], resume, self.checkpoint_positions(plan)
         )
         self.running.add(seq)
+        seq.approximate = plan.replayed_tokens > 0
         seq.window_evicted = {
             f for f in self.kv_forms if f.window is not None and plan.form(f.form).reason == Reason.SWA_EVICTED
         }
@@ -433,7 +477,9 @@ class PrefixCache:
                         raise RuntimeError(f"{form.form}: page {page} of the plan vanished before its lease")
                     form.pool.lease(block)
                     table[page] = block
-            if self.linear is not None:
+            if self.linear is not None and seq.approximate:
+                seq.linear_states = self.linear.zero_state()  # Tail-Replay rebuilds it from here
+            elif self.linear is not None:
                 slot = self.linear.checkpoint_at(hashes, resume)
                 if resume and slot is None:
                     raise RuntimeError(f"linear_state: checkpoint at {resume} vanished before its lease")

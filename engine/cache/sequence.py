@@ -91,6 +91,9 @@ class PagedSequence:
         the request holds leased, in page order (restored at L*, then stored at commits)."""
         self.checkpoint_positions = checkpoint_positions
         """Where this request stores recurrent checkpoints (prefill chunks end there)."""
+        self.approximate = False
+        """Tail-Replay: the state is rebuilt approximately, so nothing this request computes
+        is published, stored or checkpointed (set by start)."""
         self.window_evicted: set[PagedKVForm] = set()
         """Window forms whose pages this request's lookup found evicted (set by start)."""
         self._chunk: dict[PagedKVForm, _ChunkPages] = {}
@@ -175,7 +178,7 @@ class PagedSequence:
         if full_pages > len(self.hashes):
             parent = self.hashes[-1] if self.hashes else self.cache.root
             self.hashes.extend(chain_hashes(parent, self.token_ids[len(self.hashes) * u : full_pages * u], u))
-        if self.cache.config.enable_prefix_caching:
+        if self.cache.config.enable_prefix_caching and not self.approximate:
             for page in range(self.published_pages, full_pages):
                 for form, table in self.tables.items():
                     if table[page] != SENTINEL_BLOCK and self._page_backs_a_resume_point(form, page):
@@ -208,7 +211,7 @@ class PagedSequence:
         """The latest position at which a future request could resume on this request's state:
         the last stored recurrent checkpoint when the model has linear layers, else the last U
         boundary; with prefix caching off, nothing is kept for later (the current position)."""
-        if not self.cache.config.enable_prefix_caching:
+        if not self.cache.config.enable_prefix_caching or self.approximate:
             return self.num_computed_tokens
         if not self.cache.has_checkpoint_forms:
             return self.num_computed_tokens - self.num_computed_tokens % self.unit_tokens
