@@ -36,6 +36,7 @@ from engine.events import (
     RequestEvent,
     Tier,
 )
+from engine.faults import Faults
 from engine.loader import load_model
 from engine.model.base import ModelLayout
 from engine.outputs import CacheReport, RequestOutput, ScoreOutput
@@ -84,6 +85,7 @@ class LLM:
             :class:`EventSink`, or None (events discarded).
         engine_id: names this engine in events (default ``host-pid``).
         check_invariants: run :meth:`PrefixCache.check_invariants` after every chunk (tests).
+        faults: faults to inject (:mod:`engine.faults`; tests), none by default.
         block_events: also emit a ``block`` event whenever a block or slot of any pool is
             stored or removed (vLLM's KV-event vocabulary; off by default: one event per block).
 
@@ -101,6 +103,7 @@ class LLM:
         engine_id: str | None = None,
         check_invariants: bool = False,
         block_events: bool = False,
+        faults: Faults | None = None,
     ) -> None:
         self.device = resolve_device(device)
         loaded = load_model(model, self.device)
@@ -124,6 +127,8 @@ class LLM:
         else:
             self.sink = telemetry
         self.check_invariants = check_invariants
+        if faults is not None:
+            self.cache.faults = faults
         if block_events:
             for form, pool, tokens in self.cache.pools_with_tokens():
                 pool.observer = functools.partial(self._emit_block, form, tokens)
@@ -216,6 +221,8 @@ class LLM:
         self._check_fits(len(token_ids), params.max_tokens)
         hashes = self.cache.block_hashes(token_ids)
         plan = self.cache.lookup(hashes, len(token_ids))
+        if self.cache.faults.evict_between_check_and_use:
+            self.cache.inject_eviction(plan, hashes)
         try:
             seq = self.cache.start(plan, token_ids, hashes)
         except StaleResume as stale:  # changed between check and use: recompute, say why

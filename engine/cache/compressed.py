@@ -229,7 +229,9 @@ class EntryPages:
         rows = self.entries[torch.tensor(blocks, dtype=torch.long, device=self.entries.device)]  # [B, n, E, D]
         return {layer: rows[:, i].reshape(-1, rows.shape[-1]).clone() for i, layer in enumerate(self.group.layers)}
 
-    def store(self, hashes: Sequence[BlockHash], states: Mapping[int, CompressedLayerState], table: list[int]) -> None:
+    def store(
+        self, hashes: Sequence[BlockHash], states: Mapping[int, CompressedLayerState], table: list[int], *, withhold: int = 0
+    ) -> None:
         """Store every complete page of ``states`` past ``table`` (the request's leased pages of
         this prefix, in page order) and append it there, leased: a page already cached under its
         hash is leased as it is, a new one is allocated, written and published. Stops early when
@@ -242,7 +244,7 @@ class EntryPages:
         counts = {_compressor(states[layer], self.group.which).num_entries for layer in self.group.layers}
         if len(counts) != 1:
             raise RuntimeError(f"{self.pool.name}: layers of one group hold different entry counts {sorted(counts)}")
-        complete = counts.pop() // self.entries_per_page
+        complete = counts.pop() // self.entries_per_page - withhold  # withhold: fault injection
         e = self.entries_per_page
         for page in range(len(table), complete):
             h = self.page_hash(hashes, page)
@@ -305,6 +307,8 @@ class BoundarySlots:
             )
         self.slot_tokens = [0] * num_slots
         self.slot_boundaries: list[tuple[BlockHash | None, ...]] = [()] * num_slots
+        self.lost: OrderedDict[BlockHash, None] = OrderedDict()
+        """Slots recently lost before they were stored (fault injection: ``drop_tail``)."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -357,7 +361,7 @@ class BoundarySlots:
         h = hashes[tokens // self.unit_tokens - 1]
         if self.pool.lookup(h) is not None:
             return stale
-        return missing if self.pool.was_evicted(h) else Reason.BELOW_GRANULARITY
+        return missing if self.pool.was_evicted(h) or h in self.lost else Reason.BELOW_GRANULARITY
 
     def epoch_at(self, hashes: Sequence[BlockHash], tokens: int) -> int:
         slot = self.slot_at(hashes, tokens)
@@ -378,8 +382,11 @@ class BoundarySlots:
                 c.prev_kv = tensors["prev_kv"][at, i, :prev].clone()
                 c.prev_gate = tensors["prev_gate"][at, i, :prev].clone()
 
-    def store(self, hashes: Sequence[BlockHash], tokens: int, states: Mapping[int, CompressedLayerState]) -> bool:
-        """Store the rows of ``states`` (all at ``tokens``) under the hash of ``[0, tokens)``.
+    def store(
+        self, hashes: Sequence[BlockHash], tokens: int, states: Mapping[int, CompressedLayerState], *, lag: bool = False
+    ) -> bool:
+        """Store the rows of ``states`` (all at ``tokens``) under the hash of ``[0, tokens)``
+        (``lag``: fault injection, stamp them one boundary behind).
 
         Returns whether the slot is cached afterwards (stored now or before, or not needed);
         False when every slot is leased.
@@ -406,7 +413,7 @@ class BoundarySlots:
                 tensors["pending_gate"][slot, i, :pending] = c.pending_gate
                 tensors["prev_kv"][slot, i, :prev] = c.prev_kv
                 tensors["prev_gate"][slot, i, :prev] = c.prev_gate
-        self.slot_tokens[slot] = tokens
+        self.slot_tokens[slot] = tokens - self.unit_tokens if lag else tokens
         self.slot_boundaries[slot] = self.version(hashes, tokens)
         self.pool.publish(slot, h)
         self.pool.release(slot)
@@ -439,8 +446,15 @@ class CompressedKVForm:
         return intersect_groups({g.pool.name: g.resume_at_most(hashes, limit_tokens) for g in self.groups}).resume_tokens
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
-        for g in self.groups:
-            reason = g.loss_reason(hashes, resume_tokens, Reason.COMPRESSED_EVICTED, Reason.COMPRESSED_VERSION_MISMATCH)
+        """The first group's reason; ``group_disagree`` when a group simply lacks a page (never
+        evicted) that another group holds at that point."""
+        reasons = [
+            g.loss_reason(hashes, resume_tokens, Reason.COMPRESSED_EVICTED, Reason.COMPRESSED_VERSION_MISMATCH)
+            for g in self.groups
+        ]
+        for reason in reasons:
+            if reason == Reason.BELOW_GRANULARITY and Reason.NONE in reasons:
+                return Reason.GROUP_DISAGREE
             if reason != Reason.NONE:
                 return reason
         raise RuntimeError(f"compressed_kv: asked why it cannot resume at {resume_tokens}, where it can")

@@ -51,6 +51,7 @@ from engine.cache.validation import (
     check_kernel_contract,
 )
 from engine.events import Form, Outcome, Reason
+from engine.faults import NO_FAULTS, Faults
 from engine.model.base import ModelLayout
 from engine.model.state import CompressedLayerState, LinearLayerState
 
@@ -138,6 +139,8 @@ class PrefixCache:
     ) -> None:
         self.config = config
         self.layout = layout
+        self.faults: Faults = NO_FAULTS
+        """Injected faults (engine/faults.py); none unless a test or config enables them."""
         self.budget: tuple[int, int] | None = None
         """(budget bytes, capacity tokens) when the pools came from a memory plan."""
         self.unit_tokens = config.unit_tokens
@@ -405,6 +408,17 @@ class PrefixCache:
         verdicts = sorted([*alt.forms, replayed], key=lambda f: list(Form).index(f.form))
         return dataclasses.replace(alt, forms=tuple(verdicts), replayed_tokens=replay)
 
+    def inject_eviction(self, plan: ResumePlan, hashes: Sequence[BlockHash]) -> None:
+        """Fault ``evict_between_check_and_use``: invalidate the deepest page the plan matched
+        in the first page-based form (as another thread evicting it between lookup and lease)."""
+        resume = plan.resume_tokens - plan.replayed_tokens
+        if not resume or not self.kv_forms:
+            return
+        form = self.kv_forms[0]
+        block = form.pool.lookup(hashes[resume // self.unit_tokens - 1])
+        if block is not None:
+            form.pool.invalidate(block)
+
     def validation_failures(self) -> dict[Form, ValidationFailure]:
         """Per form, the first stored tensor that breaks its reader's kernel contract (layer 2:
         dtype, block shape, axis order, kernel ABI, model revision) or alignment (layer 4: byte
@@ -587,7 +601,14 @@ class PrefixCache:
                 self.linear.pool.publish(slot, h)
                 self.linear.pool.release(slot)
         for form in (self.tail, self.indexer):
-            if form is not None and not form.slots.store(hashes, tokens, compressed_states):
+            if form is None:
+                continue
+            if form is self.tail and self.faults.drop_tail:
+                form.slots.lost[hashes[tokens // self.unit_tokens - 1]] = None
+                stored = False
+                continue
+            lag = form is self.indexer and self.faults.lag_index
+            if not form.slots.store(hashes, tokens, compressed_states, lag=lag):
                 log.warning("%s: every slot is leased; rows at %d not stored", form.form, tokens)
                 stored = False
         return stored
@@ -596,8 +617,9 @@ class PrefixCache:
         """Store the complete entry pages of every compressed and indexer group past the
         request's leased pages ``tables[i]`` of group i (see :meth:`EntryPages.store`)."""
         if states:
+            disagree = self.faults.groups_disagree and self.compressed is not None and len(self.compressed.groups) > 1
             for g, table in zip(self.entry_groups(), tables, strict=True):
-                g.store(hashes, states, table)
+                g.store(hashes, states, table, withhold=1 if disagree and g is self.compressed.groups[-1] else 0)  # type: ignore[union-attr]
 
     def entry_groups(self) -> list[EntryPages]:
         out = list(self.compressed.groups) if self.compressed is not None else []

@@ -1,0 +1,39 @@
+"""Fault injection for the prefix cache (DESIGN.md §4), off unless a config or a test enables it.
+
+Each fault breaks one thing a real engine has been seen to get wrong; under every fault the
+engine must still produce the output of a cold run (by lowering L* or recomputing) and report
+the reason in its events:
+
+* ``drop_tail`` — the compressors' uncompressed tail rows never reach their slot (as if lost on
+  the way to the cache) → ``uncompressed_tail`` invalidated, ``tail_missing``;
+* ``lag_index`` — the indexer's pending rows are stamped one boundary behind the compressed KV
+  they go with → ``indexer_state`` invalidated, ``indexer_stale``;
+* ``evict_between_check_and_use`` — a page the lookup matched is invalidated after the lookup
+  and before the request leases it → the form is vetoed, ``epoch_changed``, full recompute;
+* ``groups_disagree`` — one compressor group (e.g. HCA next to CSA) fails to store its last entry
+  page, so the groups of ``compressed_kv`` disagree on the resume point → ``group_disagree``.
+
+Faults of the host/disk tiers (a corrupted offloaded file, a read during swap-in) come with the
+tiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Faults:
+    """Which faults to inject (all off by default); see the module docstring."""
+
+    drop_tail: bool = False
+    lag_index: bool = False
+    evict_between_check_and_use: bool = False
+    groups_disagree: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.drop_tail or self.lag_index or self.evict_between_check_and_use or self.groups_disagree
+
+
+NO_FAULTS = Faults()
