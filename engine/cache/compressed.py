@@ -314,6 +314,12 @@ class BoundarySlots:
     def bytes_per_block(self) -> int:
         return sum(t[0].numel() * t.element_size() for tensors in self.tensors for t in tensors.values())
 
+    def remember_lost(self, h: BlockHash) -> None:
+        """Note a slot lost before it was stored (bounded like the pool's eviction memory)."""
+        self.lost[h] = None
+        if len(self.lost) > self.pool.num_blocks:
+            self.lost.popitem(last=False)
+
     def stored_tensors(self) -> list[StoredTensor]:
         out = []
         for g, tensors in zip(self.groups, self.tensors, strict=True):
@@ -394,8 +400,13 @@ class BoundarySlots:
         if not self.needed_at(tokens):
             return True
         h = hashes[tokens // self.unit_tokens - 1]
-        if self.pool.lookup(h) is not None:
-            return True
+        cached = self.pool.lookup(h)
+        if cached is not None:
+            if self.slot_at(hashes, tokens) is not None:
+                return True
+            if self.pool.ref_count[cached]:
+                return False  # a stale slot someone still reads: cannot replace it now
+            self.pool.invalidate(cached)  # a stale slot: replace it with the right rows
         try:
             slot = self.pool.allocate()
         except PoolExhausted:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -391,8 +392,9 @@ class PrefixCache:
             return exact
         alt = plan_resume(others, hashes, prompt_tokens, hit, u)
         point = alt.resume_tokens
-        replay = min(max(-(-int(c.replay_fraction * point) // u) * u, c.replay_min_tokens), c.replay_max_tokens)
-        replay = -(-replay // u) * u
+        low = -(-c.replay_min_tokens // u) * u
+        high = max(u, c.replay_max_tokens - c.replay_max_tokens % u)
+        replay = min(max(-(-math.ceil(c.replay_fraction * point) // u) * u, low), high)  # multiples of U
         start = point - replay
         if start <= exact.resume_tokens or any(f.resume_at_most(hashes, start) != start for f in others):
             return exact
@@ -406,7 +408,10 @@ class PrefixCache:
             replayed_tokens=replay,
         )
         verdicts = sorted([*alt.forms, replayed], key=lambda f: list(Form).index(f.form))
-        return dataclasses.replace(alt, forms=tuple(verdicts), replayed_tokens=replay)
+        plan = dataclasses.replace(alt, forms=tuple(verdicts), replayed_tokens=replay)
+        if plan.limiting_form is None:  # what keeps recoverable below L: the replayed form
+            plan = dataclasses.replace(plan, limiting_form=Form.LINEAR_STATE, limiting_reason=replayed.reason)
+        return plan
 
     def inject_eviction(self, plan: ResumePlan, hashes: Sequence[BlockHash]) -> None:
         """Fault ``evict_between_check_and_use``: invalidate the deepest page the plan matched
@@ -491,6 +496,8 @@ class PrefixCache:
                         raise RuntimeError(f"{form.form}: page {page} of the plan vanished before its lease")
                     form.pool.lease(block)
                     table[page] = block
+            if plan.replayed_tokens:
+                self._pin_replayed(plan, hashes, seq)
             if self.linear is not None and seq.approximate:
                 seq.linear_states = self.linear.zero_state()  # Tail-Replay rebuilds it from here
             elif self.linear is not None:
@@ -529,6 +536,28 @@ class PrefixCache:
             if p > start:
                 positions.add(p)
         return frozenset(positions)
+
+    def _pin_replayed(self, plan: ResumePlan, hashes: Sequence[BlockHash], seq: PagedSequence) -> None:
+        """Tail-Replay computes from L − R but its lookup matched up to L: lease the pages of
+        ``[L − R, L)`` too (KV and compressed entries), outside the block tables so the replayed
+        rows are never written into them, so the request's own allocations cannot evict them
+        (case C8). Released by :meth:`PagedSequence.finish`."""
+        point, start, u = plan.resume_tokens, plan.resume_tokens - plan.replayed_tokens, self.unit_tokens
+        for form in self.kv_forms:
+            for page in form.needed_pages(point):
+                if page >= start // u:
+                    block = form.pool.lookup(hashes[page])
+                    if block is None:
+                        raise RuntimeError(f"{form.form}: page {page} of the plan vanished before its lease")
+                    form.pool.lease(block)
+                    seq.pinned.append((form.pool, block))
+        for pages in self.entry_groups():
+            for page in range(pages.pages_needed(start), pages.pages_needed(point)):
+                block = pages.block_of(hashes, page)
+                if block is None:
+                    raise RuntimeError(f"{pages.pool.name}: page {page} of the plan vanished before its lease")
+                pages.pool.lease(block)
+                seq.pinned.append((pages.pool, block))
 
     def _restore_compressed(self, hashes: Sequence[BlockHash], resume: int, tables: list[list[int]]) -> dict[int, CompressedLayerState]:
         """The working state of every CSA/HCA layer at ``resume``: entries from the
@@ -604,7 +633,7 @@ class PrefixCache:
             if form is None:
                 continue
             if form is self.tail and self.faults.drop_tail:
-                form.slots.lost[hashes[tokens // self.unit_tokens - 1]] = None
+                form.slots.remember_lost(hashes[tokens // self.unit_tokens - 1])
                 stored = False
                 continue
             lag = form is self.indexer and self.faults.lag_index
@@ -647,6 +676,7 @@ class PrefixCache:
         running = [seq for seq in self.running if not seq.finished]
         for form in self.kv_forms:
             held = Counter(b for seq in running for b in seq.tables[form] if b != SENTINEL_BLOCK)
+            held.update(b for seq in running for pool, b in seq.pinned if pool is form.pool)
             for block in range(1, form.pool.num_blocks):
                 rc = form.pool.ref_count[block]
                 assert rc == held[block], f"{form.form}: block {block} has {rc} leases, {held[block]} running requests hold it"
@@ -654,6 +684,7 @@ class PrefixCache:
                     assert held[block] == 1, f"{form.form}: unpublished block {block} is written by {held[block]} requests"
         for i, pages in enumerate(self.entry_groups()):
             held = Counter(b for seq in running for b in seq.entry_tables[i])
+            held.update(b for seq in running for pool, b in seq.pinned if pool is pages.pool)
             for block in range(1, pages.pool.num_blocks):
                 rc = pages.pool.ref_count[block]
                 assert rc == held[block], f"{pages.pool.name}: block {block} has {rc} leases, {held[block]} running requests hold it"

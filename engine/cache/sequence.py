@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engine.cache.block_pool import SENTINEL_BLOCK
+from engine.cache.block_pool import SENTINEL_BLOCK, BlockPool
 from engine.cache.forms import PagedKVForm, gather_pages
 from engine.cache.hashing import BlockHash, chain_hashes
 from engine.model.state import (
@@ -91,6 +91,8 @@ class PagedSequence:
         the request holds leased, in page order (restored at L*, then stored at commits)."""
         self.checkpoint_positions = checkpoint_positions
         """Where this request stores recurrent checkpoints (prefill chunks end there)."""
+        self.pinned: list[tuple[BlockPool, int]] = []
+        """Blocks leased only to keep them (a Tail-Replay's matched pages past its start)."""
         self.approximate = False
         """Tail-Replay: the state is rebuilt approximately, so nothing this request computes
         is published, stored or checkpointed (set by start)."""
@@ -264,6 +266,9 @@ class PagedSequence:
                     else:
                         form.pool.release(table[page])
             table.clear()
+        for pool, block in reversed(self.pinned):
+            pool.release(block)
+        self.pinned.clear()
         for pages, table in zip(self.cache.entry_groups(), self.entry_tables, strict=True):
             for block in reversed(table):  # tail first: a prefix outlives its tail
                 pages.pool.release(block)

@@ -62,3 +62,15 @@ def test_fault_gives_cold_output_and_its_reason(name: str) -> None:
 def test_no_fault_by_default() -> None:
     llm = LLM(cache=CFG)
     assert not llm.cache.faults.any
+
+
+def test_a_stale_index_slot_is_replaced_once_the_fault_stops() -> None:
+    llm = LLM(cache=CFG, check_invariants=True, faults=Faults(lag_index=True))
+    prefix = tokens(128, 72)
+    assert_warm_equals_cold(llm, prefix)
+    assert assert_warm_equals_cold(llm, [*prefix, *tokens(20, 73)]).resume_tokens < 128
+    llm.cache.faults = Faults()
+    assert_warm_equals_cold(llm, prefix)  # stores the right rows over the stale ones
+    healed = assert_warm_equals_cold(llm, [*prefix, *tokens(20, 74)])
+    assert healed.resume_tokens == 128 and healed.cache.form(Form.INDEXER_STATE).outcome == Outcome.HIT
+    assert_no_leases(llm)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, CacheConfig
+from engine import LLM, CacheConfig, SamplingParams
 from engine.events import CacheLookup, EventBatch, Form, Outcome, Reason, RequestEvent, check_batch
 from engine.telemetry import ListSink
 from tests.helpers import assert_no_leases, assert_warm_equals_cold, tokens
@@ -122,3 +122,27 @@ def test_replay_on_the_hybrid_only_where_every_other_form_can_start() -> None:
 def test_replay_settings_are_checked(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CacheConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_replayed_request_keeps_the_pages_it_matched() -> None:
+    """The replay computes from L − R, but its lookup matched up to L: its own allocations must
+    not evict the pages of [L − R, L) (case C8), so the prefix still hits afterwards."""
+    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay=True, full_kv_blocks=24), check_invariants=True)
+    prefix = tokens(200, 60)
+    llm.score(prefix)
+    for seed in range(3):
+        llm.score(tokens(40, 100 + seed))
+    follow_up = [*prefix, *tokens(30, 61)]
+    assert llm.cache.lookup(llm.cache.block_hashes(follow_up), len(follow_up)).hash_hit_tokens == 192
+    out = llm.generate([follow_up], SamplingParams(max_tokens=8))[0]
+    assert out.cache.approximate
+    assert llm.cache.lookup(llm.cache.block_hashes(follow_up), len(follow_up)).hash_hit_tokens == 192
+    assert_no_leases(llm)
+
+
+def test_replay_length_stays_within_its_bounds() -> None:
+    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay=True, replay_min_tokens=40, replay_max_tokens=40))
+    prefix = tokens(200, 67)
+    evict_checkpoints(llm, prefix)
+    out = llm.score([*prefix, *tokens(30, 68)])
+    assert out.approximate and out.cache.replayed_tokens == 32  # 40 rounded down to U, never above
