@@ -220,13 +220,15 @@ class LLM:
         self._as_tensor(token_ids)  # validates
         self._check_fits(len(token_ids), params.max_tokens)
         hashes = self.cache.block_hashes(token_ids)
-        plan = self.cache.lookup(hashes, len(token_ids))
+        plan = self.cache.lookup(hashes, len(token_ids), output_tokens=params.max_tokens)
         if self.cache.faults.evict_between_check_and_use:
             self.cache.inject_eviction(plan, hashes)
         try:
             seq = self.cache.start(plan, token_ids, hashes)
         except StaleResume as stale:  # changed between check and use: recompute, say why
-            plan = self.cache.lookup(hashes, len(token_ids), vetoes={stale.form: Reason.EPOCH_CHANGED})
+            plan = self.cache.lookup(
+                hashes, len(token_ids), vetoes={stale.form: Reason.EPOCH_CHANGED}, output_tokens=params.max_tokens
+            )
             seq = self.cache.start(plan, token_ids, hashes)
         try:
             epochs = {f.form: self.cache.form_epoch(seq, f, plan.resume_tokens) for f in self.cache.forms}

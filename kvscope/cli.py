@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
 
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from kvscope.bench_ttft import add_arguments as ttft_arguments
+
+    ttft_arguments(bench_sub.add_parser("ttft", help="time to first token: cold, exact resume, Tail-Replay"))
+
     sql = sub.add_parser("sql", help="ad-hoc read-only SQL over the cache logs")
     sql.add_argument("query")
     where = sql.add_mutually_exclusive_group()
@@ -335,7 +341,19 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvscope.bench_ttft import run
+
+    try:
+        doc = run(args.model, args.prefix_tokens, args.suffix_tokens, args.text, args.device)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print(json.dumps(doc))
+    return 0
+
+
 COMMANDS = {
+    "bench": cmd_bench,
     "up": cmd_up,
     "agent": cmd_agent,
     "dashboard": cmd_dashboard,

@@ -352,7 +352,12 @@ class PrefixCache:
         return chain_hashes(self.root, token_ids, self.unit_tokens)
 
     def lookup(
-        self, hashes: Sequence[BlockHash], prompt_tokens: int, vetoes: Mapping[Form, Reason] | None = None
+        self,
+        hashes: Sequence[BlockHash],
+        prompt_tokens: int,
+        vetoes: Mapping[Form, Reason] | None = None,
+        *,
+        output_tokens: int = 0,
     ) -> ResumePlan:
         """The hash hit and the resume plan; takes no lease and changes nothing.
 
@@ -368,7 +373,7 @@ class PrefixCache:
         forms = [_Vetoed(f.form, reasons[f.form]) if f.form in reasons else f for f in self.forms]
         plan = plan_resume(forms, hashes, prompt_tokens, hit, self.unit_tokens)
         if self.config.tail_replay and self.linear is not None and hit and Form.LINEAR_STATE not in reasons:
-            plan = self._tail_replay(plan, forms, hashes, prompt_tokens, hit)
+            plan = self._tail_replay(plan, forms, hashes, prompt_tokens + output_tokens, hit)
         plan = dataclasses.replace(plan, pool_versions=tuple((f.form, tuple(p.version for p in f.pools)) for f in self.forms))
         failure = check_granularity(plan.resume_tokens, self.unit_tokens)
         if failure is not None:
@@ -376,7 +381,7 @@ class PrefixCache:
         return plan
 
     def _tail_replay(
-        self, exact: ResumePlan, forms: Sequence[ResumableForm], hashes: Sequence[BlockHash], prompt_tokens: int, hit: int
+        self, exact: ResumePlan, forms: Sequence[ResumableForm], hashes: Sequence[BlockHash], total_tokens: int, hit: int
     ) -> ResumePlan:
         """The Tail-Replay plan when it resumes further than ``exact``, else ``exact``.
 
@@ -390,6 +395,7 @@ class PrefixCache:
         others = [f for f in forms if f.form != Form.LINEAR_STATE]
         if not others:  # a linear-only model has nothing else to resume on
             return exact
+        prompt_tokens = exact.prompt_tokens
         alt = plan_resume(others, hashes, prompt_tokens, hit, u)
         point = alt.resume_tokens
         low = -(-c.replay_min_tokens // u) * u
@@ -398,6 +404,16 @@ class PrefixCache:
         start = point - replay
         if start <= exact.resume_tokens or any(f.resume_at_most(hashes, start) != start for f in others):
             return exact
+        # the replayed rows go to new pages while the matched ones stay pinned: R/U pages more
+        # than the request would hold otherwise; refuse rather than exhaust the full-KV pool
+        full = [f for f in self.kv_forms if f.window is None]
+        if full and -(-total_tokens // u) + replay // u > full[0].pool.num_blocks - 1:
+            return exact
+        for f in self.kv_forms:  # a window form also keeps its pinned window next to the working set
+            if f.window is not None:
+                pinned = len(f.needed_pages(point))
+                if pinned + self.window_pages_needed(f.window, total_tokens - prompt_tokens) > f.pool.num_blocks - 1:
+                    return exact
         linear = exact.form(Form.LINEAR_STATE)
         replayed = FormLookup(
             form=Form.LINEAR_STATE,

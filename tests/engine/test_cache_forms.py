@@ -216,8 +216,8 @@ def test_object_changed_between_lookup_and_lease_degrades_to_recompute() -> None
     lookup = llm.cache.lookup
     victims: list[int] = []
 
-    def lookup_then_invalidate(hashes, prompt_tokens, vetoes=None):  # type: ignore[no-untyped-def]
-        plan = lookup(hashes, prompt_tokens, vetoes)
+    def lookup_then_invalidate(hashes, prompt_tokens, vetoes=None, **kwargs):  # type: ignore[no-untyped-def]
+        plan = lookup(hashes, prompt_tokens, vetoes, **kwargs)
         if victims:
             full.pool.invalidate(victims.pop())
         return plan

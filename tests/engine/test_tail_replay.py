@@ -146,3 +146,14 @@ def test_replay_length_stays_within_its_bounds() -> None:
     evict_checkpoints(llm, prefix)
     out = llm.score([*prefix, *tokens(30, 68)])
     assert out.approximate and out.cache.replayed_tokens == 32  # 40 rounded down to U, never above
+
+
+def test_replay_is_refused_where_its_extra_pages_would_not_fit() -> None:
+    """The replayed rows need R/U pages of their own next to the pinned matched ones; with a
+    full-KV pool that only fits the request itself the exact plan runs instead (no exhaustion)."""
+    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay=True, full_kv_blocks=17), check_invariants=True)
+    prefix = tokens(200, 69)
+    evict_checkpoints(llm, prefix)
+    out = assert_warm_equals_cold(llm, [*prefix, *tokens(30, 70)])  # 15 pages + 2 replayed > 16
+    assert not out.approximate
+    assert_no_leases(llm)
