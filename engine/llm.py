@@ -130,7 +130,7 @@ class LLM:
         if faults is not None:
             self.cache.faults = faults
         if block_events:
-            for form, pool, tokens in self.cache.pools_with_tokens():
+            for form, pool, _, _, tokens in self.cache.pool_entries():
                 pool.observer = functools.partial(self._emit_block, form, tokens)
         self._request_counter = itertools.count()
         self._last_stats = 0.0

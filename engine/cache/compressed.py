@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from engine.cache.block_pool import BlockPool, PoolExhausted
-from engine.cache.forms import VECTOR_BYTES, StoredTensor
+from engine.cache.forms import VECTOR_BYTES, PrefixScan, StoredTensor
 from engine.cache.hashing import BlockHash, PrefixIndex
 from engine.cache.validation import intersect_groups
 from engine.events import Form, Reason
@@ -138,7 +138,7 @@ class EntryPages:
             (num_blocks, len(group.layers), self.entries_per_page, group.spec.head_dim), dtype=group.dtype, device=device
         )
         self.page_end = [0] * num_blocks
-        self._memo: tuple[Sequence[BlockHash], int, int, int] | None = None  # hashes, version, scanned, present
+        self.scan = PrefixScan(self.pool)
         self._not_stored: OrderedDict[BlockHash, None] = OrderedDict()
         """Pages recently left unstored because every block was leased."""
 
@@ -167,17 +167,17 @@ class EntryPages:
         """How many of the first ``needed`` pages of this prefix are cached, counted from page 0
         up to the first gap. Memoised per hash chain and pool version, as the coordinator's fixed
         point asks several times per lookup."""
-        memo = self._memo
-        if memo is not None and memo[0] is hashes and memo[1] == self.pool.version and (memo[3] < memo[2] or needed <= memo[2]):
-            return min(memo[3], needed)
         step, pt = self.page_tokens // self.unit_tokens, self.page_tokens
-        blocks = list(map(self.pool.cached_blocks.get, hashes[step - 1 : needed * step : step]))
-        present = blocks.index(None) if None in blocks else len(blocks)
-        ends = [self.page_end[b] for b in blocks[:present]]  # type: ignore[index]
-        if ends != list(range(pt, (present + 1) * pt, pt)):  # a page of another version
-            present = next(i for i, end in enumerate(ends) if end != (i + 1) * pt)
-        self._memo = (hashes, self.pool.version, needed, present)
-        return present
+
+        def scan(needed: int) -> int:
+            blocks = list(map(self.pool.cached_blocks.get, hashes[step - 1 : needed * step : step]))
+            present = blocks.index(None) if None in blocks else len(blocks)
+            ends = [self.page_end[b] for b in blocks[:present]]  # type: ignore[index]
+            if ends != list(range(pt, (present + 1) * pt, pt)):  # a page of another version
+                present = next(i for i, end in enumerate(ends) if end != (i + 1) * pt)
+            return present
+
+        return self.scan.present(hashes, needed, scan)
 
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         """Largest multiple of U ≤ ``limit_tokens`` whose entry pages are all cached."""
@@ -327,6 +327,12 @@ class BoundarySlots:
                 if t.numel():  # a ratio with no such rows stores nothing
                     out.append(StoredTensor(f"{self.pool.name}[r{g.spec.ratio}].{name}", t, ("layer", "row", "dim"), VECTOR_BYTES))
         return out
+
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether some U boundary needs a slot: a compressor with r > U has pending rows at
+        boundaries inside a group, an overlapping one keeps the previous group's rows."""
+        return any(g.spec.overlapping or g.spec.ratio > self.unit_tokens for g in self.groups)
 
     def needed_at(self, tokens: int) -> bool:
         """Whether a resume at ``tokens`` needs a slot (some group keeps rows there)."""

@@ -20,7 +20,7 @@ K = V row of CSA/HCA windows), one page id shared by every layer of the form; ch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -39,6 +39,27 @@ validation compares it with the reader's)."""
 
 VECTOR_BYTES = 16
 """Alignment the attention and compressor readers need (128-bit vector loads)."""
+
+
+class PrefixScan:
+    """How many of the first ``needed`` objects of a prefix one pool holds, counted from the
+    start up to the first gap — memoised per hash chain (by identity) and pool version, because
+    the coordinator's fixed point asks a downward-closed form several times per lookup. A count
+    below what was scanned is final for any longer scan; otherwise it holds up to the scan."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._memo: tuple[Sequence[BlockHash], int, int, int] | None = None  # hashes, version, scanned, present
+
+    def present(self, hashes: Sequence[BlockHash], needed: int, scan: Callable[[int], int]) -> int:
+        """``min(present, needed)``, calling ``scan(needed)`` (the uncached count) only when the
+        memo cannot answer."""
+        memo = self._memo
+        if memo is not None and memo[0] is hashes and memo[1] == self.pool.version and (memo[3] < memo[2] or needed <= memo[2]):
+            return min(memo[3], needed)
+        present = scan(needed)
+        self._memo = (hashes, self.pool.version, needed, present)
+        return present
 
 
 class StoredTensor(NamedTuple):
@@ -73,7 +94,7 @@ class PagedKVForm:
         self.window = window
         self.pool = BlockPool(form.value, num_blocks, index.add, index.remove)
         self.pools = (self.pool,)
-        self._memo: tuple[Sequence[BlockHash], int, int, int] | None = None  # hashes, version, scanned, present
+        self.scan = PrefixScan(self.pool)
         # one tensor per KV geometry, all indexed by the same page id
         self.kv_groups: dict[tuple[int, int], Tensor] = {}
         self.layer_slot: dict[int, tuple[Tensor, int]] = {}
@@ -112,14 +133,11 @@ class PagedKVForm:
         """Largest multiple of U ≤ ``limit_tokens`` at which every needed page is cached."""
         u = self.unit_tokens
         if self.window is None:
-            needed = limit_tokens // u
-            memo = self._memo
-            if memo is not None and memo[0] is hashes and memo[1] == self.pool.version and (memo[3] < memo[2] or needed <= memo[2]):
-                return min(memo[3], needed) * u  # memoised: the fixed point asks several times
-            found = list(map(self.pool.cached_blocks.__contains__, hashes[:needed]))
-            n = found.index(False) if False in found else len(found)
-            self._memo = (hashes, self.pool.version, needed, n)
-            return n * u
+            def scan(needed: int) -> int:
+                found = list(map(self.pool.cached_blocks.__contains__, hashes[:needed]))
+                return found.index(False) if False in found else len(found)
+
+            return self.scan.present(hashes, limit_tokens // u, scan) * u
         for cand in range(limit_tokens - limit_tokens % u, 0, -u):
             if all(self.pool.lookup(hashes[p]) is not None for p in self.needed_pages(cand)):
                 return cand

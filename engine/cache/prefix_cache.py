@@ -28,7 +28,6 @@ from engine.cache.compressed import (
     EntryPages,
     IndexerStateForm,
     UncompressedTailForm,
-    compressor_groups,
     restore_states,
 )
 from engine.cache.config import CacheConfig
@@ -200,7 +199,7 @@ class PrefixCache:
         self.running: weakref.WeakSet[PagedSequence] = weakref.WeakSet()
         """Requests started and not finished (for the ownership check of check_invariants)."""
         tails = [f.slots for f in (self.tail, self.indexer) if f is not None]
-        self._needs_checkpoints = self.linear is not None or any(t.needed_at(p) for t in tails for p in self._tail_probe())
+        self._needs_checkpoints = self.linear is not None or any(t.keeps_rows for t in tails)
 
     @property
     def has_checkpoint_forms(self) -> bool:
@@ -208,12 +207,6 @@ class PrefixCache:
         compressor's tail or indexer): then resume points are the checkpoint positions, not
         every U boundary."""
         return self._needs_checkpoints
-
-    def _tail_probe(self) -> range:
-        """Positions covering every residue of every compression ratio (enough to tell whether
-        a compressor ever keeps rows at a U boundary)."""
-        ratios = [g.spec.ratio for g in compressor_groups(self.compressed_specs, MAIN)] or [1]
-        return range(self.unit_tokens, 2 * max(ratios) + 2 * self.unit_tokens, self.unit_tokens)
 
     # -- reporting -----------------------------------------------------------------------------
     def resume_granularity(self) -> dict[Form, int]:
@@ -226,8 +219,7 @@ class PrefixCache:
         interval = self.config.checkpoint_interval_tokens if self.has_checkpoint_forms else self.unit_tokens
         for f in (self.tail, self.indexer):
             if f is not None:
-                needs_rows = any(f.slots.needed_at(p) for p in self._tail_probe())
-                out[f.form] = interval if needs_rows else self.unit_tokens
+                out[f.form] = interval if f.slots.keeps_rows else self.unit_tokens
         if self.linear is not None:
             out[Form.LINEAR_STATE] = self.config.checkpoint_interval_tokens
         return out
@@ -250,16 +242,44 @@ class PrefixCache:
         cache.budget = (config.memory_bytes, tokens)
         return cache
 
+    def pool_entries(self) -> list[tuple[Form, BlockPool, str, int, int]]:
+        """Every pool once: (form, pool, the CacheConfig field that sizes it, bytes per block,
+        prefix tokens one block covers — 0 for per-boundary slots, which summarise a prefix)."""
+        u = self.unit_tokens
+        out: list[tuple[Form, BlockPool, str, int, int]] = [
+            (f.form, f.pool, "full_kv_blocks" if f.window is None else "swa_blocks", f.bytes_per_block, u)
+            for f in self.kv_forms
+        ]
+        for pages in self.entry_groups():
+            form = Form.COMPRESSED_KV if pages.group.which == MAIN else Form.INDEXER_STATE
+            out.append((form, pages.pool, "compressed_blocks", pages.bytes_per_block, pages.page_tokens))
+        for f in (self.tail, self.indexer):
+            if f is not None:
+                out.append((f.form, f.slots.pool, "tail_slots", f.slots.bytes_per_block, 0))
+        if self.linear is not None:
+            out.append((Form.LINEAR_STATE, self.linear.pool, "linear_checkpoints", self.linear.bytes_per_block, 0))
+        return out
+
     def pool_plans(self) -> list[PoolPlan]:
-        """Every pool with its bytes per block, the prefix tokens one block holds and its
-        headroom (see :mod:`engine.cache.memory_plan`)."""
+        """Every pool with its bytes per block, the prefix tokens one block holds (a slot: one
+        per checkpoint interval; a window page: its share of the windows kept behind cached
+        boundaries) and its headroom (see :mod:`engine.cache.memory_plan`)."""
         c, u = self.config, self.unit_tokens
         interval = c.checkpoint_interval_tokens if self.has_checkpoint_forms else u
         window = self.layout.sliding_window
         window_pages = self.window_pages_needed(window, 0) if window is not None else 0
         out: list[PoolPlan] = []
-
-        def add(pool: BlockPool, form: Form, field: str, bytes_per_block: int, tokens_per_block: int) -> None:
+        for form, pool, field, bytes_per_block, page_tokens in self.pool_entries():
+            tokens = page_tokens
+            if field == "linear_checkpoints":
+                tokens = c.checkpoint_interval_tokens
+            elif field == "tail_slots":
+                tokens = interval
+            elif field == "swa_blocks" and window is not None and self.has_checkpoint_forms:
+                # a cached boundary keeps the pages of its window; windows wider than the
+                # interval overlap, so the pool then keeps every page of the prefix
+                tail_pages = -(-(window - 1) // u) + 1
+                tokens = interval // min(interval // u, tail_pages)
             out.append(
                 PoolPlan(
                     name=pool.name,
@@ -267,27 +287,10 @@ class PrefixCache:
                     config_field=field,
                     blocks=pool.num_blocks - 1,
                     bytes_per_block=bytes_per_block,
-                    tokens_per_block=max(1, tokens_per_block),
+                    tokens_per_block=max(1, tokens),
                     headroom_blocks=headroom(field, window_pages),
                 )
             )
-
-        for kv in self.kv_forms:
-            tokens = u
-            if kv.window is not None and self.has_checkpoint_forms:
-                # a cached boundary keeps the pages of its window; windows wider than the
-                # interval overlap, so the pool then keeps every page of the prefix
-                tail_pages = -(-(kv.window - 1) // u) + 1
-                tokens = interval // min(interval // u, tail_pages)
-            add(kv.pool, kv.form, "full_kv_blocks" if kv.window is None else "swa_blocks", kv.bytes_per_block, tokens)
-        for pages in self.entry_groups():
-            form = Form.COMPRESSED_KV if pages.group.which == MAIN else Form.INDEXER_STATE
-            add(pages.pool, form, "compressed_blocks", pages.bytes_per_block, pages.page_tokens)
-        for f in (self.tail, self.indexer):
-            if f is not None:
-                add(f.slots.pool, f.form, "tail_slots", f.slots.bytes_per_block, interval)
-        if self.linear is not None:
-            add(self.linear.pool, Form.LINEAR_STATE, "linear_checkpoints", self.linear.bytes_per_block, c.checkpoint_interval_tokens)
         return out
 
     def form_specs(self) -> dict[Form, FormSpec]:
@@ -303,18 +306,6 @@ class PrefixCache:
             )
             for f in self.forms
         }
-
-    def pools_with_tokens(self) -> list[tuple[Form, BlockPool, int]]:
-        """Every pool with its form and the prefix tokens one of its blocks covers (pages: their
-        tokens; per-boundary slots: 0, they summarise a prefix rather than cover tokens)."""
-        out: list[tuple[Form, BlockPool, int]] = [(f.form, f.pool, self.unit_tokens) for f in self.kv_forms]
-        for pages in self.entry_groups():
-            form = Form.COMPRESSED_KV if pages.group.which == MAIN else Form.INDEXER_STATE
-            out.append((form, pages.pool, pages.page_tokens))
-        for f in (self.tail, self.indexer, self.linear):
-            if f is not None:
-                out.append((f.form, f.pools[-1], 0))
-        return out
 
     def memory_plan(self) -> MemoryPlan:
         budget, tokens = self.budget if self.budget is not None else (None, 0)

@@ -75,6 +75,15 @@ class CausalLM(nn.Module):
     family's reference implementation so checkpoints load as they are.
     """
 
+    def attach_lm_head(self, hidden_size: int, vocab_size: int, embed_tokens: nn.Embedding, tie: bool) -> None:
+        """``self.lm_head [vocab, hidden]``, sharing the input embedding's weight when ``tie``
+        (recorded in ``self.tied_weights`` for the loader: lm_head → embed_tokens)."""
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.tied_weights: dict[str, str] = {}
+        if tie:
+            self.lm_head.weight = embed_tokens.weight
+            self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
     @property
     def layout(self) -> ModelLayout:
         raise NotImplementedError

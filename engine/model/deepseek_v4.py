@@ -80,11 +80,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.model = DeepseekV4Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tied_weights: dict[str, str] = {}
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+        self.attach_lm_head(config.hidden_size, config.vocab_size, self.model.embed_tokens, config.tie_word_embeddings)
 
     def init_random(self, seed: int) -> None:
         """Deterministic random weights as transformers initialises V4: normal(0,

@@ -107,11 +107,7 @@ class Qwen3NextForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tied_weights: dict[str, str] = {}
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+        self.attach_lm_head(config.hidden_size, config.vocab_size, self.model.embed_tokens, config.tie_word_embeddings)
 
     def init_random(self, seed: int) -> None:
         """Deterministic random weights, initialised as transformers initialises Qwen3-Next:

@@ -306,17 +306,24 @@ def operations(draw, n_prefixes: int):
     return (kind, prefix, cut, suffix, seed, max_tokens, fault_at)
 
 
+def pool_sizes(draw) -> dict[str, int]:
+    """Small pools of every form but the window (sized by each strategy): all under pressure."""
+    return {
+        "full_kv_blocks": draw(st.integers(20, 40)),
+        "linear_checkpoints": draw(st.integers(3, 6)),
+        "compressed_blocks": draw(st.integers(3, 24)),
+        "tail_slots": draw(st.integers(2, 6)),
+    }
+
+
 @st.composite
 def scenarios(draw):
     cfg = CacheConfig(
         unit_tokens=U,
         checkpoint_interval_tokens=draw(st.sampled_from([32, 48, 64])),
         max_prefill_chunk_tokens=draw(st.sampled_from([32, 64])),
-        full_kv_blocks=draw(st.integers(20, 40)),
         swa_blocks=draw(st.integers(16, 24)),
-        linear_checkpoints=draw(st.integers(3, 6)),
-        compressed_blocks=draw(st.integers(3, 24)),  # entry pages under pressure too
-        tail_slots=draw(st.integers(2, 6)),
+        **pool_sizes(draw),
     )
     n_prefixes = draw(st.integers(1, 3))
     prefixes = [
@@ -533,11 +540,8 @@ def geometry_scenarios(draw):
         unit_tokens=U,
         checkpoint_interval_tokens=interval,
         max_prefill_chunk_tokens=chunk,
-        full_kv_blocks=draw(st.integers(20, 40)),
         swa_blocks=draw(st.integers(min_swa, min_swa + 6)),  # the smallest pool LLM accepts, up
-        linear_checkpoints=draw(st.integers(3, 6)),
-        compressed_blocks=draw(st.integers(3, 24)),  # entry pages under pressure too
-        tail_slots=draw(st.integers(2, 6)),
+        **pool_sizes(draw),
     )
     n_prefixes = draw(st.integers(1, 3))
     prefixes = [

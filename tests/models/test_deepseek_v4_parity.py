@@ -37,6 +37,7 @@ from engine.model.deepseek_v4 import (
 from engine.model.deepseek_v4_attention import DeepseekV4Attention
 from engine.model.deepseek_v4_compressor import apply_rope, rope_cos_sin
 from engine.model.state import CompressedLayerState, DenseState
+from engine.presets import PRESETS
 
 ATOL = 1e-4
 KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -377,33 +378,8 @@ def test_index_score_ties_do_not_depend_on_chunking() -> None:
     assert max(ties) >= 2
 
 
-TINY_PRESET_FIELDS: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 6,
-    "layer_types": [
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-    ],
-    "mlp_layer_types": ["dense"] * 6,
-    "num_attention_heads": 4,
-    "head_dim": 32,
-    "q_lora_rank": 32,
-    "partial_rotary_factor": 0.5,
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    "sliding_window": 16,
-    "o_groups": 2,
-    "o_lora_rank": 16,
-    "index_n_heads": 4,
-    "index_head_dim": 16,
-    "index_topk": 4,
-}
-"""The fields proposed for a ``deepseek_v4-tiny`` preset (engine/presets.py)."""
+TINY_PRESET_FIELDS: dict[str, Any] = dict(PRESETS["deepseek_v4-tiny"].fields)
+"""The ``deepseek_v4-tiny`` preset's fields (engine/presets.py), built and checked below."""
 
 
 def test_checkpoint_round_trip_through_the_loader(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, CacheConfig, SamplingParams
 from engine.loader import ModelLoadError
 from engine.model.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM, config_from_dict
+from engine.presets import PRESETS
 from tests.helpers import TOLERANCE, assert_warm_equals_cold, tokens
 
 transformers = pytest.importorskip("transformers")
@@ -69,31 +70,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "all_linear": {"layer_types": [LIN, LIN, LIN], "linear_num_value_heads": 6, "num_experts": 0},
 }
 
-TINY_PRESET: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 6,
-    "layer_types": [LIN, LIN, FULL, LIN, LIN, FULL],
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64,
-    "mlp_only_layers": [],
-    "decoder_sparse_step": 1,
-    "norm_topk_prob": True,
-    "revision": "random-init-0",
-}
-"""The ``qwen3_next-tiny`` preset's fields (engine/presets.py), checked to run below."""
+TINY_PRESET: dict[str, Any] = dict(PRESETS["qwen3_next-tiny"].fields)
+"""The ``qwen3_next-tiny`` preset's fields (engine/presets.py), built and checked below."""
 
 
 def save_hf_checkpoint(path: Path, seed: int, **overrides: Any) -> Any:
