@@ -139,6 +139,14 @@ _V1_TABLES = (
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="create event, alert and ingest tables", statements=_V1_TABLES),
+    Migration(
+        version=2,
+        name="requests: the admission's predicted and actual seconds",
+        statements=(
+            "ALTER TABLE requests ADD COLUMN predicted_seconds DOUBLE DEFAULT 0",
+            "ALTER TABLE requests ADD COLUMN actual_seconds DOUBLE DEFAULT 0",
+        ),
+    ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""
 

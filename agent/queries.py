@@ -291,6 +291,8 @@ RECENT_REQUESTS = NamedQuery(
         "admission",
         "ttft_seconds",
         "e2e_seconds",
+        "predicted_seconds",
+        "actual_seconds",
     ),
 )
 

@@ -168,6 +168,10 @@ class RequestEvent(_Event, tag="request", kw_only=True):
     admission: Admission
     ttft_seconds: NonNegFloat
     e2e_seconds: NonNegFloat
+    predicted_seconds: NonNegFloat = 0.0
+    """The admission's predicted seconds for the chosen plan (recovery + prefill)."""
+    actual_seconds: NonNegFloat = 0.0
+    """Measured seconds of the same span (admission to the end of the prefill)."""
 
 
 class EngineStats(_Event, tag="engine_stats", kw_only=True):

@@ -13,8 +13,11 @@ the reason in its events:
 * ``groups_disagree`` — one compressor group (e.g. HCA next to CSA) fails to store its last entry
   page, so the groups of ``compressed_kv`` disagree on the resume point → ``group_disagree``.
 
-Faults of the host/disk tiers (a corrupted offloaded file, a read during swap-in) come with the
-tiers.
+* ``corrupt_offloaded_file`` — every file the disk tier writes has its last byte flipped → the
+  swap-in's checksum fails, the entry is dropped, ``offload_corrupt`` and a lower L*;
+* ``read_during_swap_in`` — swap-ins started by a prefetch are held in flight until a request
+  waits for them, so a lookup arrives while they are ``SWAPPING_IN`` → it waits (when
+  ``CacheConfig.swap_in_wait``) or resumes lower with ``in_flight_swap``.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ class Faults:
     lag_index: bool = False
     evict_between_check_and_use: bool = False
     groups_disagree: bool = False
+    corrupt_offloaded_file: bool = False
+    read_during_swap_in: bool = False
 
     @property
     def any(self) -> bool:
-        return self.drop_tail or self.lag_index or self.evict_between_check_and_use or self.groups_disagree
+        return any(getattr(self, name) for name in self.__dataclass_fields__)
 
 
 NO_FAULTS = Faults()

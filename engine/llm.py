@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from engine.cache import CacheConfig, PrefixCache
+from engine.cache.admission import CostModel
 from engine.cache.prefix_cache import StaleResume
 from engine.cache.sequence import PagedSequence
+from engine.cache.tiers import round_trip
 from engine.config import HybridConfig
 from engine.events import (
-    Admission,
     BlockAction,
     BlockEvent,
     CacheLookup,
@@ -88,6 +89,9 @@ class LLM:
         faults: faults to inject (:mod:`engine.faults`; tests), none by default.
         block_events: also emit a ``block`` event whenever a block or slot of any pool is
             stored or removed (vLLM's KV-event vocabulary; off by default: one event per block).
+        cost_model: the admission's per-token costs and tier bandwidths; None: measured on this
+            device at the first request when there is a choice to price (tiers or Tail-Replay
+            enabled), else plans are ranked by how deep they resume.
 
     Raises:
         ValueError: an unknown model name or an invalid cache configuration.
@@ -104,6 +108,7 @@ class LLM:
         check_invariants: bool = False,
         block_events: bool = False,
         faults: Faults | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         self.device = resolve_device(device)
         loaded = load_model(model, self.device)
@@ -129,9 +134,19 @@ class LLM:
         self.check_invariants = check_invariants
         if faults is not None:
             self.cache.faults = faults
+            if self.cache.tiers is not None:
+                self.cache.tiers.corrupt_writes = faults.corrupt_offloaded_file
+                if faults.read_during_swap_in:
+                    self.cache.tiers.hold()
+        self.cost_model = cost_model
+        self._needs_costs = cost_model is None and (self.cache.tiers is not None or self.cache_config.tail_replay != "off")
         if block_events:
+            tokens_of: dict[str, tuple[Form, int]] = {}
             for form, pool, _, _, tokens in self.cache.pool_entries():
-                pool.observer = functools.partial(self._emit_block, form, tokens)
+                pool.observer = functools.partial(self._emit_block, form, tokens, Tier.DEVICE)
+                tokens_of[pool.name] = (form, tokens)
+            if self.cache.tiers is not None:
+                self.cache.tiers.observer = lambda action, pool, h, tier: self._emit_block(*tokens_of[pool], tier, action, h, 0)
         self._request_counter = itertools.count()
         self._last_stats = 0.0
 
@@ -196,8 +211,30 @@ class LLM:
             )
         return outputs
 
+    def prefetch(self, prompt: str | Sequence[int]) -> int:
+        """Start swapping in from host or disk what a request with this prompt would reuse,
+        without waiting (the copies run on the tiers' worker; a later request waits for them or
+        resumes lower, per ``CacheConfig.swap_in_wait``). Returns the bytes enqueued (0 without
+        tiers or when nothing needs a swap-in)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._as_tensor(ids)
+        return self.cache.prefetch(self.cache.block_hashes(ids), len(ids))
+
+    def offload(self, tier: Tier | str = Tier.HOST, *, evict: bool = True) -> int:
+        """Copy every cached object (not leased by a running request) to ``tier`` and, with
+        ``evict``, drop its device copy; returns the objects moved.
+
+        Raises:
+            ValueError: that tier is off.
+        """
+        return self.cache.offload_all(Tier(tier), evict=evict)
+
     def close(self, timeout_seconds: float | None = 30.0) -> None:
-        """Flush and stop the telemetry sink."""
+        """Finish the tiers' copies (file writes included), then flush and stop the telemetry
+        sink."""
+        if self.cache.tiers is not None:
+            self.cache.settle(wait=True)
+            self.cache.tiers.close()
         self.sink.close(timeout_seconds)
 
     def __enter__(self) -> LLM:
@@ -220,19 +257,32 @@ class LLM:
         self._as_tensor(token_ids)  # validates
         self._check_fits(len(token_ids), params.max_tokens)
         hashes = self.cache.block_hashes(token_ids)
-        plan = self.cache.lookup(hashes, len(token_ids), output_tokens=params.max_tokens)
+        costs = self._costs()
+        t_admit = time.perf_counter()
+        admitted = self.cache.admit(hashes, len(token_ids), costs, output_tokens=params.max_tokens)
+        plan = admitted.plan
         if self.cache.faults.evict_between_check_and_use:
             self.cache.inject_eviction(plan, hashes)
         try:
-            seq = self.cache.start(plan, token_ids, hashes)
-        except StaleResume as stale:  # changed between check and use: recompute, say why
-            plan = self.cache.lookup(
-                hashes, len(token_ids), vetoes={stale.form: Reason.EPOCH_CHANGED}, output_tokens=params.max_tokens
-            )
-            seq = self.cache.start(plan, token_ids, hashes)
+            try:
+                seq = self.cache.start(plan, token_ids, hashes)
+            except StaleResume as stale:  # changed between check and use: recompute, say why
+                self.cache.finish_recovery(admitted)
+                admitted = self.cache.admit(
+                    hashes, len(token_ids), costs, output_tokens=params.max_tokens, vetoes={stale.form: Reason.EPOCH_CHANGED}
+                )
+                plan = admitted.plan
+                seq = self.cache.start(plan, token_ids, hashes)
+        except BaseException:
+            self.cache.finish_recovery(admitted)
+            raise
         try:
             epochs = {f.form: self.cache.form_epoch(seq, f, plan.resume_tokens) for f in self.cache.forms}
-            logits = self._prefill(seq, keep_logits)
+            try:
+                logits = self._prefill(seq, keep_logits)
+            finally:
+                self.cache.finish_recovery(admitted)
+            actual = time.perf_counter() - t_admit
             last = logits[-1]
             sampler = Sampler(params)
             outputs: list[int] = []
@@ -252,12 +302,13 @@ class LLM:
             if self.check_invariants:
                 self.cache.check_invariants()
         e2e = time.perf_counter() - t0
-        if plan.replayed_tokens:
-            admission = Admission.TAIL_REPLAY
-        else:
-            admission = Admission.EXACT if plan.resume_tokens else Admission.COLD
         report = CacheReport(
-            plan=plan, admission=admission, approximate=plan.replayed_tokens > 0, replayed_tokens=plan.replayed_tokens
+            plan=plan,
+            admission=admitted.admission,
+            approximate=plan.replayed_tokens > 0,
+            replayed_tokens=plan.replayed_tokens,
+            predicted_seconds=admitted.predicted_seconds,
+            actual_seconds=actual,
         )
         self._emit_request(request_id, arrival_wall, report, len(outputs), ttft, e2e, epochs)
         return _RunResult(logits if keep_logits else None, last, outputs, report, ttft, e2e)
@@ -307,7 +358,7 @@ class LLM:
                     request_id=request_id,
                     model=self.model_name,
                     form=f.form,
-                    tier=Tier.DEVICE,
+                    tier=f.tier,
                     outcome=f.outcome,
                     reason=f.reason,
                     hash_hit_tokens=report.hash_hit_tokens,
@@ -315,6 +366,8 @@ class LLM:
                     recoverable_tokens=f.recoverable_tokens,
                     replayed_tokens=f.replayed_tokens,
                     approximate=f.replayed_tokens > 0,
+                    recovery_seconds=f.recovery_seconds,
+                    bytes_moved=f.bytes_moved,
                     epoch=epochs.get(f.form, 0),
                 )
             )
@@ -335,6 +388,8 @@ class LLM:
                 limiting_form=report.limiting_form,
                 limiting_reason=report.limiting_reason,
                 admission=report.admission,
+                predicted_seconds=report.predicted_seconds,
+                actual_seconds=report.actual_seconds,
                 ttft_seconds=ttft,
                 e2e_seconds=e2e,
             )
@@ -344,14 +399,14 @@ class LLM:
             self._last_stats = now
             self.emit_engine_stats(now)
 
-    def _emit_block(self, form: Form, num_tokens: int, action: str, h: bytes, block: int) -> None:
+    def _emit_block(self, form: Form, num_tokens: int, tier: Tier, action: str, h: bytes, block: int) -> None:
         self.sink.emit(
             BlockEvent(
                 ts=time.time(),
                 engine_id=self.engine_id,
                 model=self.model_name,
                 form=form,
-                tier=Tier.DEVICE,
+                tier=tier,
                 action=BlockAction(action),
                 block_hash=h.hex(),
                 block_id=block,
@@ -360,8 +415,26 @@ class LLM:
         )
 
     def emit_engine_stats(self, ts: float | None = None) -> None:
-        """One ``engine_stats`` event per form (device tier) with the pools' occupancy."""
+        """One ``engine_stats`` event per form on the device with the pools' occupancy, and one
+        per (form, lower tier) holding objects (bytes and object counts)."""
         ts = time.time() if ts is None else ts
+        in_flight = self.cache.recovery.in_flight
+        for form, tier, nbytes, objects in self.cache.tier_occupancy():
+            self.sink.emit(
+                EngineStats(
+                    ts=ts,
+                    engine_id=self.engine_id,
+                    model=self.model_name,
+                    form=form,
+                    tier=tier,
+                    used_bytes=nbytes,
+                    used_blocks=objects,
+                    cached_blocks=objects,
+                    free_blocks=0,
+                    total_blocks=objects,
+                    recoveries_in_flight=in_flight,
+                )
+            )
         for occ in self.cache.occupancy():
             self.sink.emit(
                 EngineStats(
@@ -379,6 +452,30 @@ class LLM:
             )
 
     # -- helpers ---------------------------------------------------------------------------------
+    def calibrate(self) -> CostModel:
+        """Measure the admission's cost model on this device now (per-token prefill costs, each
+        enabled tier's bandwidth and per-object cost) and use it from here on; returns it."""
+        self._needs_costs = True
+        costs = self._costs()
+        assert costs is not None
+        return costs
+
+    def _costs(self) -> CostModel | None:
+        """The admission's cost model, measured once on this device when first needed."""
+        if self._needs_costs:
+            self._needs_costs = False
+            tiers = self.cache.tiers
+            where = {} if tiers is None else {t: tiers.disk_dir for t, on in tiers.enabled.items() if on}
+
+            def prefill(n: int) -> None:
+                ids = torch.randint(0, self.layout.vocab_size, (n,), device=self.device)
+                with torch.no_grad():
+                    self.model(ids, torch.arange(n, device=self.device), self.model.new_dense_state())
+
+            self.cost_model = CostModel.measure(prefill, where, round_trip)
+            log.info("admission cost model: %s", self.cost_model)
+        return self.cost_model
+
     def _next_request_id(self) -> str:
         return f"{self.engine_id}-{next(self._request_counter)}"
 

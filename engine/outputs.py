@@ -23,6 +23,11 @@ class CacheReport:
     admission: Admission
     approximate: bool = False
     replayed_tokens: int = 0
+    predicted_seconds: float = 0.0
+    """The admission's prediction for the chosen plan (recovery + prefill; 0 without a cost
+    model)."""
+    actual_seconds: float = 0.0
+    """Measured seconds from admission to the end of the prefill."""
 
     @property
     def prompt_tokens(self) -> int:

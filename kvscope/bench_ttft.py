@@ -4,8 +4,11 @@ as KL divergence and top-1 agreement of the suffix's next-token distributions ag
 resume. Prints one JSON object (``kvscope bench ttft --json`` prints the same object):
 
 ``{"model", "device", "text", "suffix_tokens", "results": [{"prefix_tokens", "plan", "ttft_seconds",
-"speedup", "kl", "top1_agreement"}, ...]}`` with plan ∈ cold | exact | replay_5 | replay_10.
-(The ``disk`` plan — resume after a swap-in from the disk tier — comes with the tiers.)
+"speedup", "kl", "top1_agreement"}, ...]}`` with plan ∈ cold | exact | disk | replay_5 | replay_10.
+``disk``: the prefix's state was offloaded to the disk tier and the engine restarted (the index
+rebuilt from the files, the files dropped from the OS page cache with ``posix_fadvise``), so the
+follow-up swaps every form in from disk before it resumes; its KL and top-1 agreement against the
+exact resume check that the restore is exact.
 
 Prompts are held-out bytes of Tiny Shakespeare (the last 128 KiB, never trained on): prefix =
 P bytes, suffix = the next S bytes; the exact and replay follow-ups use the same prompt as the
@@ -21,7 +24,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +39,7 @@ from engine import LLM, CacheConfig
 HELD_OUT_BYTES = 128 * 1024
 DEFAULT_TEXT = Path("../shared/data/text/tinyshakespeare/input.txt")
 """Relative to the repository root, where ``make`` and the benchmarks run."""
-PLANS = ("cold", "exact", "replay_5", "replay_10")
+PLANS = ("cold", "exact", "disk", "replay_5", "replay_10")
 
 
 def held_out(text: Path, need: int) -> list[int]:
@@ -64,7 +69,7 @@ def cache_for(tokens: int, unit: int, linear_checkpoints: int, replay_fraction: 
         linear_checkpoints=linear_checkpoints,
         checkpoint_interval_tokens=unit,
         max_prefill_chunk_tokens=2048,
-        tail_replay=True,
+        tail_replay="fallback",
         replay_fraction=replay_fraction,
         replay_min_tokens=unit,
         replay_max_tokens=1 << 20,
@@ -85,6 +90,49 @@ def quality(exact: torch.Tensor, replay: torch.Tensor) -> tuple[float, float]:
     return kl, agree
 
 
+def drop_page_cache(directory: Path) -> None:
+    """Ask the OS to forget the cached pages of every file under ``directory`` (written back
+    first), so that reads come from the disk."""
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_row(
+    model: str, device: str, data: list[int], prefix: int, ids: list[int], unit: int, cold_s: float, exact_rows: torch.Tensor, suffix_tokens: int
+) -> dict[str, Any]:
+    """The ``disk`` plan: serve the prefix, offload every object to the disk tier, restart the
+    engine on the same directory, then time the follow-up (swap-in + resume)."""
+    with tempfile.TemporaryDirectory(prefix="kvscope-bench-disk-") as where:
+        config = dataclasses.replace(
+            cache_for(len(ids), unit, len(ids) // unit + 8), tail_replay="off", disk_tier_bytes=1 << 40, disk_tier_dir=where
+        )
+        with LLM(model, device=device, cache=config) as writer:
+            writer.score(data[:prefix])
+            writer.offload("disk")
+        drop_page_cache(Path(where))
+        with LLM(model, device=device, cache=config) as reader:
+            reader.calibrate()  # the admission's cost model, measured before the clock starts
+            disk_s, out = timed_score(reader, ids)
+    if out.cache.admission != "swap_in":
+        print(f"warning: disk at {prefix}: admission chose {out.cache.admission} (L* = {out.resume_tokens})", file=sys.stderr)
+    kl, agree = quality(exact_rows, out.logits[-suffix_tokens:])
+    return {
+        "prefix_tokens": prefix,
+        "plan": "disk",
+        "ttft_seconds": disk_s,
+        "speedup": cold_s / disk_s,
+        "kl": kl,
+        "top1_agreement": agree,
+        "admission": str(out.cache.admission),
+        "bytes_moved": sum(f.bytes_moved for f in out.forms),
+    }
+
+
 def run(model: str, prefixes: Sequence[int], suffix_tokens: int, text: Path, device: str) -> dict[str, Any]:
     data = held_out(text, max(prefixes) + suffix_tokens)
     results: list[dict[str, Any]] = []
@@ -95,7 +143,7 @@ def run(model: str, prefixes: Sequence[int], suffix_tokens: int, text: Path, dev
         cold_s, _ = timed_score(cold_llm, ids)
         del cold_llm
         # exact: the prefix was served before (its state stored at P); the follow-up resumes at P
-        exact_llm = LLM(model, device=device, cache=dataclasses.replace(cache_for(len(ids), unit, len(ids) // unit + 8), tail_replay=False))
+        exact_llm = LLM(model, device=device, cache=dataclasses.replace(cache_for(len(ids), unit, len(ids) // unit + 8), tail_replay="off"))
         exact_llm.score(data[:prefix])
         exact_s, exact_out = timed_score(exact_llm, ids)
         if exact_out.resume_tokens != prefix - unit * (prefix % unit != 0):
@@ -106,6 +154,7 @@ def run(model: str, prefixes: Sequence[int], suffix_tokens: int, text: Path, dev
             {"prefix_tokens": prefix, "plan": "cold", "ttft_seconds": cold_s, "speedup": 1.0, "kl": None, "top1_agreement": None},
             {"prefix_tokens": prefix, "plan": "exact", "ttft_seconds": exact_s, "speedup": cold_s / exact_s, "kl": 0.0, "top1_agreement": 1.0},
         ]
+        rows.append(disk_row(model, device, data, prefix, ids, unit, cold_s, exact_rows, suffix_tokens))
         # Tail-Replay: the recurrent checkpoints are gone (a 2-slot pool), everything else is kept
         replay_llm = LLM(model, device=device, cache=cache_for(len(ids), unit, 2))
         replay_llm.score(data[:prefix])

@@ -24,7 +24,6 @@ from engine.cache.config import CacheConfig
 if TYPE_CHECKING:
     from engine.trace.replay import ReplayConfig
 
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -60,7 +59,14 @@ def _add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-checkpoints", type=_positive_int, default=defaults.linear_checkpoints, help="linear_state checkpoint slots (default: %(default)s)")
     p.add_argument("--compressed-blocks", type=_positive_int, default=defaults.compressed_blocks, help="pages per compressed_kv / indexer key pool (default: %(default)s)")
     p.add_argument("--tail-slots", type=_positive_int, default=defaults.tail_slots, help="uncompressed_tail / indexer pending-row slots (default: %(default)s)")
-    p.add_argument("--tail-replay", action="store_true", help="rebuild missing linear_state checkpoints by replaying the last tokens (approximate, flagged)")
+    p.add_argument(
+        "--tail-replay", nargs="?", const="fallback", default="off", choices=("off", "fallback", "on", "only"),
+        help="rebuild linear_state by replaying the last tokens (approximate, flagged): fallback (the bare flag) only when "
+        "no exact checkpoint is within the replay budget, on always, only storing no recurrent checkpoints (default: %(default)s)",
+    )
+    p.add_argument("--host-tier-mib", type=int, default=0, help="host-memory tier every evicted object is copied down to (MiB; 0: off)")
+    p.add_argument("--disk-tier-mib", type=int, default=0, help="disk tier below the host tier (MiB; 0: off)")
+    p.add_argument("--disk-tier-dir", type=Path, default=None, help="the disk tier's files (default: tiers/ under --data-dir; found again on restart)")
     p.add_argument("--cache-memory-mib", type=_positive_int, default=None, help="one byte budget (MiB) for every pool: a memory plan replaces the block counts above")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
 
@@ -148,6 +154,10 @@ CACHE_FLAGS = {
     "CacheConfig.compressed_blocks": "--compressed-blocks",
     "CacheConfig.tail_slots": "--tail-slots",
     "CacheConfig.memory_bytes": "--cache-memory-mib",
+    "CacheConfig.host_tier_bytes": "--host-tier-mib",
+    "CacheConfig.disk_tier_bytes": "--disk-tier-mib",
+    "CacheConfig.disk_tier_dir": "--disk-tier-dir",
+    "CacheConfig.tail_replay": "--tail-replay",
 }
 
 
@@ -164,6 +174,9 @@ def _replay_config(args: argparse.Namespace) -> tuple[ReplayConfig, CacheConfig]
     chunk (32·U) follow the prefix-match unit."""
     from engine.trace.replay import ReplayConfig
 
+    disk_dir = args.disk_tier_dir
+    if disk_dir is None and args.disk_tier_mib and getattr(args, "data_dir", None) is not None:
+        disk_dir = args.data_dir / "tiers"
     try:
         return (
             ReplayConfig(
@@ -184,6 +197,9 @@ def _replay_config(args: argparse.Namespace) -> tuple[ReplayConfig, CacheConfig]
                 max_prefill_chunk_tokens=32 * args.unit_tokens,
                 memory_bytes=None if args.cache_memory_mib is None else args.cache_memory_mib * 2**20,
                 tail_replay=args.tail_replay,
+                host_tier_bytes=args.host_tier_mib * 2**20,
+                disk_tier_bytes=args.disk_tier_mib * 2**20,
+                disk_tier_dir=str(disk_dir) if disk_dir is not None else None,
             ),
         )
     except ValueError as exc:

@@ -8,7 +8,9 @@ out, so padding can point at it.
 Every block has a lifecycle state (:class:`engine.cache.lifecycle.BlockState`, DESIGN.md §4)
 and every state change goes through :func:`engine.cache.lifecycle.transition`, which checks the
 transition table and bumps the block's epoch. The pool uses ``FREE``, ``WRITING``, ``RESIDENT``,
-``CACHED`` and ``INVALID``; the swap states belong to the host/disk tiers.
+``CACHED`` and ``INVALID``; the swap states belong to the entries of the host/disk tiers
+(:mod:`engine.cache.tiers`), which a pool hands every block it evicts (write-back) and which a
+lookup may consult through :meth:`BlockPool.present` while the pool is in *tier view*.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from engine.cache.hashing import BlockHash
 from engine.cache.lifecycle import BlockState, Event, rule, transition
@@ -26,6 +28,24 @@ SENTINEL_BLOCK = 0
 EVICTED_MEMORY_FACTOR = 8
 """A pool remembers the hashes of its last ``8 × num_blocks`` evictions, to tell a block that was
 evicted from one that was never stored."""
+
+
+class LowerTiers(Protocol):
+    """What a pool needs of the host/disk tiers (:class:`engine.cache.tiers.TierStore`)."""
+
+    version: int
+
+    def readable(self, pool: str, h: BlockHash) -> object | None:
+        """The verified-on-write entry of ``pool`` cached under ``h`` (``OFFLOADED``), if any."""
+        ...
+
+    def offload(self, pool: BlockPool, block: int, h: BlockHash) -> None:
+        """Copy a cached block's object down before the block is reused (write-back)."""
+        ...
+
+    def drop(self, pool: str, h: BlockHash) -> None:
+        """Forget the lower-tier copy of an object declared wrong."""
+        ...
 
 
 class PoolExhausted(RuntimeError):
@@ -96,6 +116,11 @@ class BlockPool:
         """Optional audit hook, called as ``observer(action, hash, block)`` after a block is
         published (``"stored"``) or stops being cached (``"removed"``: evicted or invalidated)."""
         self.evictions = 0
+        self.tiers: LowerTiers | None = None
+        """The host/disk tiers every evicted block is copied down to (None: no tiers)."""
+        self.tier_view = False
+        """When True, :meth:`present` also counts objects held by the lower tiers (the cache
+        sets it while it plans a resume that would swap them in)."""
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
         self._evicted_memory = EVICTED_MEMORY_FACTOR * num_blocks
 
@@ -103,6 +128,22 @@ class BlockPool:
     def lookup(self, h: BlockHash) -> int | None:
         """The block cached under ``h``, if any (``RESIDENT`` or ``CACHED``)."""
         return self._cached.get(h)
+
+    def present(self, h: BlockHash) -> bool:
+        """Whether an object is cached under ``h`` on the device — or, in tier view, readable in
+        a lower tier (a swap-in away)."""
+        return h in self._cached or self.lower_entry(h) is not None
+
+    def lower_entry(self, h: BlockHash) -> object | None:
+        """In tier view, the lower-tier entry under ``h`` when no device block caches it."""
+        if not self.tier_view or self.tiers is None or h in self._cached:
+            return None
+        return self.tiers.readable(self.name, h)
+
+    @property
+    def view_version(self) -> tuple[int, bool, int]:
+        """Changes whenever :meth:`present` may answer differently (memo key for scans)."""
+        return (self.version, self.tier_view, self.tiers.version if self.tiers is not None and self.tier_view else 0)
 
     @property
     def cached_blocks(self) -> Mapping[BlockHash, int]:
@@ -235,6 +276,18 @@ class BlockPool:
             self.observer("stored", h, block)
         return True
 
+    def evict(self, block: int) -> None:
+        """Evict one evictable block now (``CACHED → FREE``), as an allocation would: its object
+        is copied down first when the pool has lower tiers, and ``evictions`` counts it.
+
+        Raises:
+            RuntimeError: the id is the sentinel or out of range.
+            engine.cache.lifecycle.IllegalTransition: the block is not ``CACHED``.
+        """
+        self._check_id(block)
+        rule(self.name, block, self.state[block], Event.EVICT)
+        self._evict(block)
+
     def invalidate(self, block: int) -> None:
         """Withdraw a published block: it stops being findable (``on_evict`` is called) and its
         epoch is bumped. A ``CACHED`` block becomes ``FREE`` at once (front of the empty queue);
@@ -253,6 +306,8 @@ class BlockPool:
             self._dequeue(block)
             self._free_front(block)
         h = self._unpublish(block)
+        if self.tiers is not None:
+            self.tiers.drop(self.name, h)
         self._on_evict(h)
         if self.observer is not None:
             self.observer("removed", h, block)
@@ -314,7 +369,12 @@ class BlockPool:
 
     def _evict(self, block: int) -> None:
         """``CACHED → FREE``: the block moves to the front of the empty queue; ``on_evict`` is
-        called last, so the pool is consistent if it raises."""
+        called last, so the pool is consistent if it raises. With lower tiers the block's object
+        is first copied down (its bytes are intact until this returns)."""
+        if self.tiers is not None:
+            h = self.block_hash[block]
+            assert h is not None
+            self.tiers.offload(self, block, h)
         group = self._group_of.get(block)
         self._apply(block, Event.EVICT)
         self._dequeue(block)

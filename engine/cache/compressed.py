@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from engine.cache.block_pool import BlockPool, PoolExhausted
-from engine.cache.forms import VECTOR_BYTES, PrefixScan, StoredTensor
+from engine.cache.forms import VECTOR_BYTES, ObjectStore, PrefixScan, Stamp, StoredTensor
 from engine.cache.hashing import BlockHash, PrefixIndex
 from engine.cache.validation import intersect_groups
 from engine.events import Form, Reason
@@ -170,14 +170,36 @@ class EntryPages:
         step, pt = self.page_tokens // self.unit_tokens, self.page_tokens
 
         def scan(needed: int) -> int:
-            blocks = list(map(self.pool.cached_blocks.get, hashes[step - 1 : needed * step : step]))
-            present = blocks.index(None) if None in blocks else len(blocks)
-            ends = [self.page_end[b] for b in blocks[:present]]  # type: ignore[index]
-            if ends != list(range(pt, (present + 1) * pt, pt)):  # a page of another version
-                present = next(i for i, end in enumerate(ends) if end != (i + 1) * pt)
-            return present
+            ends = list(map(self._end_of, hashes[step - 1 : needed * step : step]))
+            if ends == list(range(pt, (len(ends) + 1) * pt, pt)):
+                return len(ends)
+            return next(i for i, end in enumerate(ends) if end != (i + 1) * pt)  # a gap or another version
 
         return self.scan.present(hashes, needed, scan)
+
+    def _end_of(self, h: BlockHash) -> int | None:
+        """The boundary stamp of the page cached under ``h`` (in tier view, also of a page a
+        lower tier holds); None when absent."""
+        block = self.pool.cached_blocks.get(h)
+        if block is not None:
+            return self.page_end[block]
+        entry = self.pool.lower_entry(h)
+        return None if entry is None else int(entry.stamp[0])  # type: ignore[attr-defined]
+
+    def needed_keys(self, hashes: Sequence[BlockHash], resume_tokens: int) -> list[tuple[BlockPool, BlockHash]]:
+        return [(self.pool, self.page_hash(hashes, p)) for p in range(self.pages_needed(resume_tokens))]
+
+    def stores(self) -> list[ObjectStore]:
+        return [ObjectStore(self.pool, self.stored_tensors(), self._stamp, self._set_stamp)]
+
+    def _stamp(self, block: int) -> Stamp:
+        return (self.page_end[block],)
+
+    def _set_stamp(self, block: int, stamp: Stamp) -> None:
+        (end,) = stamp
+        if not isinstance(end, int):
+            raise RuntimeError(f"{self.pool.name}: page stamp {stamp!r} is not a token count")
+        self.page_end[block] = end
 
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         """Largest multiple of U ≤ ``limit_tokens`` whose entry pages are all cached."""
@@ -198,7 +220,7 @@ class EntryPages:
         if page is None:
             return Reason.NONE
         h = self.page_hash(hashes, page)
-        if self.pool.lookup(h) is not None:
+        if self._end_of(h) is not None:
             return stale
         return evicted if self.pool.was_evicted(h) or h in self._not_stored else Reason.BELOW_GRANULARITY
 
@@ -356,8 +378,35 @@ class BoundarySlots:
             return None
         return slot
 
+    def _stamp_of(self, h: BlockHash) -> Stamp | None:
+        """The stamp of the slot cached under ``h`` (in tier view, also of one a lower tier
+        holds); None when absent."""
+        slot = self.pool.cached_blocks.get(h)
+        if slot is not None:
+            return self._stamp(slot)
+        entry = self.pool.lower_entry(h)
+        return None if entry is None else tuple(entry.stamp)  # type: ignore[attr-defined]
+
+    def _stamp(self, slot: int) -> Stamp:
+        return (self.slot_tokens[slot], *self.slot_boundaries[slot])
+
+    def _set_stamp(self, slot: int, stamp: Stamp) -> None:
+        tokens, *boundaries = stamp
+        if not isinstance(tokens, int) or len(boundaries) != len(self.groups):
+            raise RuntimeError(f"{self.pool.name}: slot stamp {stamp!r} does not fit {len(self.groups)} groups")
+        self.slot_tokens[slot] = tokens
+        self.slot_boundaries[slot] = tuple(b if isinstance(b, bytes) else None for b in boundaries)
+
+    def stores(self) -> list[ObjectStore]:
+        return [ObjectStore(self.pool, self.stored_tensors(), self._stamp, self._set_stamp)]
+
+    def needed_keys(self, hashes: Sequence[BlockHash], tokens: int) -> list[tuple[BlockPool, BlockHash]]:
+        return [(self.pool, hashes[tokens // self.unit_tokens - 1])] if tokens and self.needed_at(tokens) else []
+
     def usable_at(self, hashes: Sequence[BlockHash], tokens: int) -> bool:
-        return not self.needed_at(tokens) or self.slot_at(hashes, tokens) is not None
+        if not self.needed_at(tokens):
+            return True
+        return self._stamp_of(hashes[tokens // self.unit_tokens - 1]) == (tokens, *self.version(hashes, tokens))
 
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         """Largest multiple of U ≤ ``limit_tokens`` needing no slot or having a valid one."""
@@ -371,7 +420,7 @@ class BoundarySlots:
         """``stale`` when a slot under the hash carries another version, ``missing`` when it was
         evicted, ``below_granularity`` when none was stored there."""
         h = hashes[tokens // self.unit_tokens - 1]
-        if self.pool.lookup(h) is not None:
+        if self._stamp_of(h) is not None:
             return stale
         return missing if self.pool.was_evicted(h) or h in self.lost else Reason.BELOW_GRANULARITY
 
@@ -458,6 +507,12 @@ class CompressedKVForm:
     def stored_tensors(self) -> list[StoredTensor]:
         return [t for g in self.groups for t in g.stored_tensors()]
 
+    def needed_keys(self, hashes: Sequence[BlockHash], resume_tokens: int) -> list[tuple[BlockPool, BlockHash]]:
+        return [k for g in self.groups for k in g.needed_keys(hashes, resume_tokens)]
+
+    def stores(self) -> list[ObjectStore]:
+        return [s for g in self.groups for s in g.stores()]
+
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         # layer 3 of validation: the point every compressor group can serve
         return intersect_groups({g.pool.name: g.resume_at_most(hashes, limit_tokens) for g in self.groups}).resume_tokens
@@ -503,6 +558,12 @@ class UncompressedTailForm:
     def stored_tensors(self) -> list[StoredTensor]:
         return self.slots.stored_tensors()
 
+    def needed_keys(self, hashes: Sequence[BlockHash], resume_tokens: int) -> list[tuple[BlockPool, BlockHash]]:
+        return self.slots.needed_keys(hashes, resume_tokens)
+
+    def stores(self) -> list[ObjectStore]:
+        return self.slots.stores()
+
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         return self.slots.resume_at_most(hashes, limit_tokens)
 
@@ -533,6 +594,13 @@ class IndexerStateForm:
 
     def stored_tensors(self) -> list[StoredTensor]:
         return [t for k in self.keys for t in k.stored_tensors()] + self.slots.stored_tensors()
+
+    def needed_keys(self, hashes: Sequence[BlockHash], resume_tokens: int) -> list[tuple[BlockPool, BlockHash]]:
+        """Key pages and pending rows together: the indexer state is one unit (case C9)."""
+        return [k for g in self.keys for k in g.needed_keys(hashes, resume_tokens)] + self.slots.needed_keys(hashes, resume_tokens)
+
+    def stores(self) -> list[ObjectStore]:
+        return [s for k in self.keys for s in k.stores()] + self.slots.stores()
 
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         # key pages are downward closed, so a slot below their limit is valid for both

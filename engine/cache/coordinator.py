@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.cache.hashing import BlockHash
-from engine.events import Form, Outcome, Reason
+from engine.events import Form, Outcome, Reason, Tier
 
 
 class ResumableForm(Protocol):
@@ -47,6 +47,12 @@ class FormLookup:
     recoverable_tokens: int
     replayed_tokens: int = 0
     """Tokens replayed to rebuild this form's state (Tail-Replay; outcome ``replayed``)."""
+    tier: Tier = Tier.DEVICE
+    """The lowest tier an object this form resumed from was found on (``recovered``)."""
+    bytes_moved: int = 0
+    """Bytes swapped in for this form."""
+    recovery_seconds: float = 0.0
+    """Wall seconds of the swap-in that recovered this form."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -49,16 +49,16 @@ class PrefixScan:
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
-        self._memo: tuple[Sequence[BlockHash], int, int, int] | None = None  # hashes, version, scanned, present
+        self._memo: tuple[Sequence[BlockHash], object, int, int] | None = None  # hashes, version, scanned, present
 
     def present(self, hashes: Sequence[BlockHash], needed: int, scan: Callable[[int], int]) -> int:
         """``min(present, needed)``, calling ``scan(needed)`` (the uncached count) only when the
         memo cannot answer."""
         memo = self._memo
-        if memo is not None and memo[0] is hashes and memo[1] == self.pool.version and (memo[3] < memo[2] or needed <= memo[2]):
+        if memo is not None and memo[0] is hashes and memo[1] == self.pool.view_version and (memo[3] < memo[2] or needed <= memo[2]):
             return min(memo[3], needed)
         present = scan(needed)
-        self._memo = (hashes, self.pool.version, needed, present)
+        self._memo = (hashes, self.pool.view_version, needed, present)
         return present
 
 
@@ -70,6 +70,29 @@ class StoredTensor(NamedTuple):
     tensor: Tensor
     axis_order: tuple[str, ...]
     vector_bytes: int
+
+
+Stamp = tuple[int | bytes | None, ...]
+"""What an object records besides its hash: the boundary it ends at, the entries it continues."""
+
+
+def _no_stamp(block: int) -> Stamp:
+    return ()
+
+
+def _set_no_stamp(block: int, stamp: Stamp) -> None:
+    if stamp:
+        raise RuntimeError(f"block {block}: a stamp {stamp!r} for a pool that keeps none")
+
+
+class ObjectStore(NamedTuple):
+    """One pool with the tensors its blocks index and its stamp accessors: what the host/disk
+    tiers copy down and back (:mod:`engine.cache.tiers`)."""
+
+    pool: BlockPool
+    tensors: list[StoredTensor]
+    stamp: Callable[[int], Stamp]
+    set_stamp: Callable[[int, Stamp], None]
 
 
 class PagedKVForm:
@@ -119,6 +142,13 @@ class PagedKVForm:
         block = self.pool.lookup(hashes[resume_tokens // self.unit_tokens - 1])
         return self.pool.epoch[block] if block is not None else 0
 
+    def needed_keys(self, hashes: Sequence[BlockHash], resume_tokens: int) -> list[tuple[BlockPool, BlockHash]]:
+        """(pool, hash) of every object a resume at ``resume_tokens`` reads."""
+        return [(self.pool, hashes[p]) for p in self.needed_pages(resume_tokens)]
+
+    def stores(self) -> list[ObjectStore]:
+        return [ObjectStore(self.pool, self.stored_tensors(), _no_stamp, _set_no_stamp)]
+
     def first_needed_token(self, resume_tokens: int) -> int:
         """The oldest token whose KV a query at position ``resume_tokens`` reads."""
         if self.window is None:
@@ -134,21 +164,20 @@ class PagedKVForm:
         u = self.unit_tokens
         if self.window is None:
             def scan(needed: int) -> int:
-                found = list(map(self.pool.cached_blocks.__contains__, hashes[:needed]))
+                found = list(map(self.pool.present, hashes[:needed]))
                 return found.index(False) if False in found else len(found)
 
             return self.scan.present(hashes, limit_tokens // u, scan) * u
         for cand in range(limit_tokens - limit_tokens % u, 0, -u):
-            if all(self.pool.lookup(hashes[p]) is not None for p in self.needed_pages(cand)):
+            if all(self.pool.present(hashes[p]) for p in self.needed_pages(cand)):
                 return cand
         return 0
-
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
         """Why this form cannot resume at ``resume_tokens``: a page it needs there was evicted
         (``kv_evicted`` / ``swa_evicted``), or was never stored — the window form stores pages
         only behind recurrent checkpoints, so a point between them is ``below_granularity``."""
-        missing = [hashes[p] for p in self.needed_pages(resume_tokens) if self.pool.lookup(hashes[p]) is None]
+        missing = [hashes[p] for p in self.needed_pages(resume_tokens) if not self.pool.present(hashes[p])]
         if not missing or any(self.pool.was_evicted(h) for h in missing):
             return self.evicted_reason
         return Reason.BELOW_GRANULARITY
@@ -192,9 +221,16 @@ class LinearCheckpointForm:
         """Largest multiple of U ≤ ``limit_tokens`` with a checkpoint exactly there (or 0)."""
         u = self.unit_tokens
         for cand in range(limit_tokens - limit_tokens % u, 0, -u):
-            if self.pool.lookup(hashes[cand // u - 1]) is not None:
+            if self.pool.present(hashes[cand // u - 1]):
                 return cand
         return 0
+
+    def needed_keys(self, hashes: Sequence[BlockHash], resume_tokens: int) -> list[tuple[BlockPool, BlockHash]]:
+        """(pool, hash) of the checkpoint a resume at ``resume_tokens`` reads (none at 0)."""
+        return [(self.pool, hashes[resume_tokens // self.unit_tokens - 1])] if resume_tokens else []
+
+    def stores(self) -> list[ObjectStore]:
+        return [ObjectStore(self.pool, self.stored_tensors(), _no_stamp, _set_no_stamp)]
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
         """No checkpoint at ``resume_tokens``: evicted or never taken, it is missing."""

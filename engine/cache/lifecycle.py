@@ -13,14 +13,19 @@ state. ``python -m engine.cache.lifecycle > docs/cache-lifecycle.md`` renders th
 **Epoch rule.** A block's epoch names one incarnation of what it holds. It is bumped by every
 transition after which a lease holder that read the epoch before could see different bytes, or
 an object that no longer exists: a new object is written (``allocate``), the object is dropped
-(``evict``) or declared wrong (``invalidate``), or its bytes are rewritten from a lower tier
-(``swap_in_done``). Publishing, leasing, releasing and copying out keep the bytes, so they keep
-the epoch. Epochs are reported with every lookup. Between a lookup and its leases the cache
+(``evict``) or declared wrong (``invalidate``); a tier entry's also when it is created
+(``swap_out_begin``) or dropped after a failed copy (``swap_fail``). Publishing, leasing, releasing
+and copying keep the bytes, so they keep the epoch. Epochs are reported with every lookup. Between a lookup and its leases the cache
 re-checks the pools it planned on (``BlockPool.version``) and degrades a form that changed to
 recompute with reason ``epoch_changed`` (DESIGN.md §4, red line 3 "TOCTOU"); once leased, an
 object can only be invalidated, which bumps its epoch.
 
-The swap states and events belong to the host/disk tiers; ``BlockPool`` does not use them yet.
+**Tiers.** A device block only ever holds an object in ``WRITING``, ``RESIDENT`` or ``CACHED``;
+the swap states belong to *tier entries* (:mod:`engine.cache.tiers`), the copies of objects in
+host memory or on disk, which go through the same table. An object's path down and back up is
+``CACHED`` (device block) → evicted with a tier: entry ``SWAPPING_OUT → OFFLOADED``, device block
+``FREE`` → swap-in: entry ``SWAPPING_IN``, a freshly allocated device block ``WRITING`` → copy
+verified: device block ``RESIDENT``, entry ``OFFLOADED`` again (tiers are inclusive).
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class Event(enum.StrEnum):
     SWAP_IN_BEGIN = "swap_in_begin"
     SWAP_IN_DONE = "swap_in_done"
     SWAP_FAIL = "swap_fail"
+    SWAP_CANCEL = "swap_cancel"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,48 +168,61 @@ _ROWS = (
         rollback="none: the object is gone; a request that needs it recomputes it",
     ),
     Transition(
-        source=S.CACHED, event=E.SWAP_OUT_BEGIN, target=S.SWAPPING_OUT, bumps_epoch=False,
-        precondition="ref 0, a lower-tier slot reserved, the copy enqueued; leaves the "
-        "evictable queue, stays findable (a hit waits: mid-swap vetoes reuse)",
-        rollback="swap_fail returns it to CACHED; the device copy is intact",
+        source=S.FREE, event=E.SWAP_OUT_BEGIN, target=S.SWAPPING_OUT, bumps_epoch=True,
+        precondition="(a tier entry) a cached device block is about to be evicted or offloaded on "
+        "request: its bytes are snapshotted into a staging buffer (fenced after every write to the "
+        "source) before the device block can be reused; the copy to host memory or a file runs",
+        rollback="swap_fail drops the entry; the device copy was intact until its eviction",
     ),
     Transition(
         source=S.SWAPPING_OUT, event=E.SWAP_OUT_DONE, target=S.OFFLOADED, bumps_epoch=False,
-        precondition="the copy completed and was verified; the device block is given back",
-        rollback="swap_in_begin brings it back; evict drops it",
+        precondition="(a tier entry) the copy completed (a file: written, checksummed, renamed into "
+        "place); the entry becomes findable by hash in its tier; the staging buffer is reusable",
+        rollback="evict or invalidate drops it",
     ),
     Transition(
-        source=S.SWAPPING_OUT, event=E.SWAP_FAIL, target=S.CACHED, bumps_epoch=False,
-        precondition="the copy failed or was cancelled; the lower-tier slot is freed",
-        rollback="swap_out_begin may be retried",
+        source=S.SWAPPING_OUT, event=E.SWAP_FAIL, target=S.FREE, bumps_epoch=True,
+        precondition="(a tier entry) the copy failed (disk full, write error); nothing was published",
+        rollback="none: the object is gone; a request that needs it recomputes it",
     ),
     Transition(
         source=S.OFFLOADED, event=E.SWAP_IN_BEGIN, target=S.SWAPPING_IN, bumps_epoch=False,
-        precondition="a device block reserved, the admission cap allows it, the copy enqueued; "
-        "the requester's lease is taken (ref 1)",
-        rollback="swap_fail returns it to OFFLOADED and gives the device block back",
+        precondition="(a tier entry) a device block was allocated for it (WRITING, leased by the "
+        "swap-in, not findable) and the copy enqueued; a lookup that needs it waits or lowers L* "
+        "(in_flight_swap)",
+        rollback="swap_fail drops the entry and gives the device block back",
+    ),
+    Transition(
+        source=S.SWAPPING_IN, event=E.SWAP_IN_DONE, target=S.OFFLOADED, bumps_epoch=False,
+        precondition="(a tier entry) the copy completed and the checksum and layout fingerprint "
+        "matched; the device block is published (RESIDENT) with the entry's stamp; the tier keeps "
+        "its copy (inclusive), so a later eviction of the device copy copies nothing",
+        rollback="none needed: the device copy is a new incarnation (its allocate bumped the epoch)",
+    ),
+    Transition(
+        source=S.SWAPPING_IN, event=E.SWAP_CANCEL, target=S.OFFLOADED, bumps_epoch=False,
+        precondition="(a tier entry) the swap-in was called off before its copy was enqueued (no "
+        "device block could be had); the entry is intact",
+        rollback="swap_in_begin may be retried",
+    ),
+    Transition(
+        source=S.SWAPPING_IN, event=E.SWAP_FAIL, target=S.FREE, bumps_epoch=True,
+        precondition="(a tier entry) checksum or fingerprint mismatch, or an unreadable file: the "
+        "entry is dropped, the device block is given back unpublished; the request's form lowers "
+        "L* (offload_corrupt / layout_mismatch)",
+        rollback="none: the object is gone; a request that needs it recomputes it",
     ),
     Transition(
         source=S.OFFLOADED, event=E.EVICT, target=S.FREE, bumps_epoch=True,
-        precondition="the lower tier needs the room; hash unmapped, on_evict called",
+        precondition="(a tier entry) the tier needs the room: the least recently used entry is "
+        "dropped (a host entry may move to disk instead); hash unmapped",
         rollback="none: the object is gone; a request that needs it recomputes it",
     ),
     Transition(
         source=S.OFFLOADED, event=E.INVALIDATE, target=S.FREE, bumps_epoch=True,
-        precondition="hash unmapped, on_evict called; the lower-tier copy is dropped",
+        precondition="(a tier entry) its device copy was declared wrong, or its file failed to "
+        "verify: the lower-tier copy is dropped; hash unmapped",
         rollback="none: the object is gone; a request that needs it recomputes it",
-    ),
-    Transition(
-        source=S.SWAPPING_IN, event=E.SWAP_IN_DONE, target=S.RESIDENT, bumps_epoch=True,
-        precondition="the copy completed into the reserved device block; the requester holds "
-        "the lease (ref ≥ 1)",
-        rollback="invalidate if the bytes prove wrong; release_last makes it CACHED",
-    ),
-    Transition(
-        source=S.SWAPPING_IN, event=E.SWAP_FAIL, target=S.OFFLOADED, bumps_epoch=False,
-        precondition="the copy failed; the device block and the requester's lease are given "
-        "back (ref 0), the requester recomputes",
-        rollback="swap_in_begin may be retried",
     ),
     Transition(
         source=S.INVALID, event=E.RELEASE, target=S.INVALID, bumps_epoch=False,
@@ -308,11 +327,16 @@ def render_markdown() -> str:
         "",
         "Every state change of a cached object goes through `engine.cache.lifecycle.transition`, "
         "which checks this table (DESIGN.md §4, \"Cache core\"). A pair not listed raises "
-        "`IllegalTransition`. `BlockPool` uses every event except the swap events, which belong "
-        "to the host/disk tiers. The sentinel block 0 is permanently `INVALID`.",
+        "`IllegalTransition`. Device blocks (`BlockPool`) use every event except the swap events; "
+        "those belong to tier entries, the copies of objects in host memory or on disk "
+        "(`engine.cache.tiers`). An object goes down and back up as: device block `CACHED` → "
+        "evicted with a tier: entry `SWAPPING_OUT → OFFLOADED`, device block `FREE` → swap-in: "
+        "entry `SWAPPING_IN`, a new device block `WRITING` → verified: device block `RESIDENT`, "
+        "entry `OFFLOADED` again (the tiers are inclusive). The sentinel block 0 is permanently "
+        "`INVALID`.",
         "",
-        "**Epoch rule.** The epoch is bumped by `allocate`, `evict`, `invalidate` and "
-        "`swap_in_done`: after them a lease holder could see different bytes or an object that "
+        "**Epoch rule.** The epoch is bumped by `allocate`, `evict`, `invalidate`, and for a "
+        "tier entry `swap_out_begin` and `swap_fail`: after them a lease holder could see different bytes or an object that "
         "no longer exists. Between a lookup and its leases the cache re-checks the pools it "
         "planned on and degrades a changed form to recompute (`epoch_changed`).",
         "",

@@ -11,16 +11,21 @@ This is the object the engine talks to:
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
+import time
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from engine.cache.admission import Candidate, CostModel, RecoveryBudget, choose, price
 from engine.cache.block_pool import SENTINEL_BLOCK, BlockPool, PoolExhausted
 from engine.cache.compressed import (
     MAIN,
@@ -42,6 +47,7 @@ from engine.cache.forms import KERNEL_ABI, LinearCheckpointForm, PagedKVForm
 from engine.cache.hashing import BlockHash, PrefixIndex, chain_hashes, root_hash
 from engine.cache.memory_plan import POOL_FIELDS, MemoryPlan, PoolPlan, headroom, sized_config
 from engine.cache.sequence import PagedSequence
+from engine.cache.tiers import SwapIn, TierEntry, TierStore, fingerprint_text
 from engine.cache.validation import (
     KernelContract,
     LayoutFingerprint,
@@ -50,7 +56,7 @@ from engine.cache.validation import (
     check_granularity,
     check_kernel_contract,
 )
-from engine.events import Form, Outcome, Reason
+from engine.events import Admission, Form, Outcome, Reason, Tier
 from engine.faults import NO_FAULTS, Faults
 from engine.model.base import ModelLayout
 from engine.model.state import CompressedLayerState, LinearLayerState
@@ -118,6 +124,37 @@ class StaleResume(Exception):
         self.form = form
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admitted:
+    """What admission decided for one request: the plan to start (device view, after any
+    swap-in), the path, its predicted seconds, and the recovery budget it holds until its
+    prefill ends (release it with :meth:`PrefixCache.finish_recovery`)."""
+
+    plan: ResumePlan
+    admission: Admission
+    predicted_seconds: float
+    held_replay_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _SwapPlan:
+    """A deeper exact resume that needs swap-ins: the tier-view plan and, per form, the
+    entries to bring back."""
+
+    plan: ResumePlan
+    entries: dict[Form, list[tuple[BlockPool, TierEntry]]]
+
+    def bytes_by_tier(self) -> dict[Tier, int]:
+        out: dict[Tier, int] = {}
+        for items in self.entries.values():
+            for _, e in items:
+                out[e.tier] = out.get(e.tier, 0) + e.nbytes
+        return out
+
+    def objects_by_tier(self) -> dict[Tier, int]:
+        return dict(Counter(e.tier for items in self.entries.values() for _, e in items))
+
+
 class PrefixCache:
     """Every cache form of one model, sized by a :class:`CacheConfig`.
 
@@ -165,8 +202,9 @@ class PrefixCache:
         linear_layers = layout.layers_of("linear_attention")
         if linear_layers:
             conv_shape, rec_shape = layout.linear_state_shapes[linear_layers[0]]
+            slots = 2 if config.tail_replay == "only" else config.linear_checkpoints  # only the sentinel and one slot
             self.linear = LinearCheckpointForm(
-                linear_layers, config.linear_checkpoints, config.unit_tokens, conv_shape, rec_shape, self.index, device
+                linear_layers, slots, config.unit_tokens, conv_shape, rec_shape, self.index, device
             )
         self.compressed_specs = dict(layout.compressed_state_specs)
         self.compressed: CompressedKVForm | None = None
@@ -200,6 +238,25 @@ class PrefixCache:
         """Requests started and not finished (for the ownership check of check_invariants)."""
         tails = [f.slots for f in (self.tail, self.indexer) if f is not None]
         self._needs_checkpoints = self.linear is not None or any(t.keeps_rows for t in tails)
+        self.recovery = RecoveryBudget(config.max_recovery_bytes, config.max_replay_tokens)
+        """The global cap on recovery work in flight (DESIGN.md §4, red line 1)."""
+        self.tiers: TierStore | None = None
+        """The host and disk tiers (None when both are off)."""
+        self._prefetched: list[SwapIn] = []
+        self._restored: dict[tuple[str, BlockHash], tuple[Tier, int, float]] = {}
+        if config.host_tier_bytes or config.disk_tier_bytes:
+            self.tiers = TierStore(
+                host_bytes=config.host_tier_bytes,
+                disk_bytes=config.disk_tier_bytes,
+                disk_dir=Path(config.disk_tier_dir) if config.disk_tier_dir else None,
+                index=self.index,
+                device=device,
+            )
+            self.tiers.attach(
+                [store for f in self.forms for store in f.stores()],
+                {name: fingerprint_text(c.layout) for name, c in self.contracts.items()},
+            )
+            self.tiers.rebuild()
 
     @property
     def has_checkpoint_forms(self) -> bool:
@@ -234,8 +291,9 @@ class PrefixCache:
         """
         if config.memory_bytes is None:
             return cls(layout, config, model_name, device, dtype)
-        probe_sizes = dict.fromkeys(POOL_FIELDS, 2)
-        probe_config = CacheConfig(**{**dataclasses.asdict(config), **probe_sizes, "memory_bytes": None})
+        probe_sizes: dict[str, object] = dict.fromkeys(POOL_FIELDS, 2)
+        probe_sizes |= {"memory_bytes": None, "host_tier_bytes": 0, "disk_tier_bytes": 0}
+        probe_config = CacheConfig(**{**dataclasses.asdict(config), **probe_sizes})
         probe = cls(layout, probe_config, model_name, device, dtype)
         sized, tokens = sized_config(config, probe.pool_plans())
         cache = cls(layout, sized, model_name, device, dtype)
@@ -307,6 +365,13 @@ class PrefixCache:
             for f in self.forms
         }
 
+    def tail_replay_savings_bytes(self) -> int:
+        """In Tail-Replay-only mode, the bytes the ``linear_state`` checkpoints would take
+        (``CacheConfig.linear_checkpoints`` slots) and are not allocated; else 0."""
+        if self.linear is None or self.config.tail_replay != "only":
+            return 0
+        return (self.config.linear_checkpoints - self.linear.pool.num_blocks) * self.linear.bytes_per_block
+
     def memory_plan(self) -> MemoryPlan:
         budget, tokens = self.budget if self.budget is not None else (None, 0)
         pools = self.pool_plans()
@@ -318,9 +383,24 @@ class PrefixCache:
         """Log the memory plan (every pool's blocks, headroom and bytes) and the effective resume
         granularity per form; warn when a form resumes more coarsely than 8·U (case C4)."""
         log.info("%s", self.memory_plan().render())
+        saved = self.tail_replay_savings_bytes()
+        if saved:
+            log.info("Tail-Replay only: linear_state stores no recurrent checkpoints, saving %.1f MiB", saved / 2**20)
         for form, spacing in self.resume_granularity().items():
             if spacing > 8 * self.unit_tokens:
                 log.warning("cache form %s resumes only every %d tokens (> 8·U, U = %d)", form, spacing, self.unit_tokens)
+
+    def tier_occupancy(self) -> list[tuple[Form, Tier, int, int]]:
+        """Per (form, lower tier) holding anything: (form, tier, bytes, objects)."""
+        if self.tiers is None:
+            return []
+        form_of = {pool.name: form for form, pool, *_ in self.pool_entries()}
+        totals: dict[tuple[Form, Tier], list[int]] = {}
+        for entry in self.tiers.entries.values():
+            slot = totals.setdefault((form_of[entry.pool], entry.tier), [0, 0])
+            slot[0] += entry.nbytes
+            slot[1] += 1
+        return [(form, tier, b, n) for (form, tier), (b, n) in sorted(totals.items())]
 
     def occupancy(self) -> list[FormOccupancy]:
         per_pool = {p.name: p.bytes_per_block for p in self.pool_plans()}
@@ -349,6 +429,7 @@ class PrefixCache:
         vetoes: Mapping[Form, Reason] | None = None,
         *,
         output_tokens: int = 0,
+        replay: bool = True,
     ) -> ResumePlan:
         """The hash hit and the resume plan; takes no lease and changes nothing.
 
@@ -356,6 +437,8 @@ class PrefixCache:
         of each form's resume rule; a form whose stored tensors break the reading kernel's
         contract (layer 2) or alignment (layer 4) cannot resume anywhere and reports that
         reason. ``vetoes`` names forms that must not be used (with the reason they report).
+        Objects only a lower tier holds count for the hash hit but not for L* (see
+        :meth:`admit`, which prices swapping them in). ``replay=False`` leaves Tail-Replay out.
         Raises RuntimeError if L* itself is not a multiple of U (an internal invariant).
         """
         hit = self.index.hit_blocks(hashes) * self.unit_tokens if self.config.enable_prefix_caching else 0
@@ -363,9 +446,11 @@ class PrefixCache:
         reasons |= dict(vetoes or {})
         forms = [_Vetoed(f.form, reasons[f.form]) if f.form in reasons else f for f in self.forms]
         plan = plan_resume(forms, hashes, prompt_tokens, hit, self.unit_tokens)
-        if self.config.tail_replay and self.linear is not None and hit and Form.LINEAR_STATE not in reasons:
+        if replay and self.config.tail_replay != "off" and self.linear is not None and hit and Form.LINEAR_STATE not in reasons:
             plan = self._tail_replay(plan, forms, hashes, prompt_tokens + output_tokens, hit)
         plan = dataclasses.replace(plan, pool_versions=tuple((f.form, tuple(p.version for p in f.pools)) for f in self.forms))
+        if self._prefetched:  # objects on their way up: the forms that need them say so
+            plan = _relabel(plan, self._in_flight_forms(hashes, min(hit, resume_limit(prompt_tokens, self.unit_tokens))))
         failure = check_granularity(plan.resume_tokens, self.unit_tokens)
         if failure is not None:
             raise RuntimeError(f"resume point {plan.resume_tokens} fails validation: {failure}")
@@ -379,7 +464,9 @@ class PrefixCache:
         L = the point every form but ``linear_state`` agrees on; R = ``replay_fraction``·L
         rounded up to U and clamped to [``replay_min_tokens``, ``replay_max_tokens``]; the other
         forms must resume exactly at L − R too (computation starts there, the linear layers
-        from a zero state). Worth it only when L − R > the exact L*. (Tail-Replay paper, 2026;
+        from a zero state). Mode ``fallback``: only when L − R > the exact L* (no exact
+        checkpoint within the budget); ``on`` / ``only``: whenever L > the exact L* and L − R > 0.
+        (Tail-Replay paper, 2026;
         DESIGN.md §4.)
         """
         c, u = self.config, self.unit_tokens
@@ -393,8 +480,10 @@ class PrefixCache:
         high = max(u, c.replay_max_tokens - c.replay_max_tokens % u)
         replay = min(max(-(-math.ceil(c.replay_fraction * point) // u) * u, low), high)  # multiples of U
         start = point - replay
-        if start <= exact.resume_tokens or any(f.resume_at_most(hashes, start) != start for f in others):
+        if point <= exact.resume_tokens or start <= 0 or any(f.resume_at_most(hashes, start) != start for f in others):
             return exact
+        if c.tail_replay == "fallback" and start <= exact.resume_tokens:
+            return exact  # an exact checkpoint lies within the replay budget
         # the replayed rows go to new pages while the matched ones stay pinned: R/U pages more
         # than the request would hold otherwise; refuse rather than exhaust the full-KV pool
         full = [f for f in self.kv_forms if f.window is None]
@@ -419,6 +508,275 @@ class PrefixCache:
         if plan.limiting_form is None:  # what keeps recoverable below L: the replayed form
             plan = dataclasses.replace(plan, limiting_form=Form.LINEAR_STATE, limiting_reason=replayed.reason)
         return plan
+
+    # -- tiers and admission -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _tier_view(self) -> Iterator[None]:
+        """Let every pool count objects the lower tiers hold as present (a swap-in away)."""
+        pools = [p for f in self.forms for p in f.pools]
+        for p in pools:
+            p.tier_view = True
+        try:
+            yield
+        finally:
+            for p in pools:
+                p.tier_view = False
+
+    def _swap_plan(self, hashes: Sequence[BlockHash], prompt_tokens: int, vetoes: Mapping[Form, Reason] | None, device: ResumePlan) -> _SwapPlan | None:
+        """The exact resume the device and the tiers together allow, with the entries to swap
+        in, when it lies deeper than ``device`` (else None)."""
+        if self.tiers is None or not device.hash_hit_tokens:
+            return None
+        reasons = {form: failure.reason for form, failure in self.validation_failures().items()} | dict(vetoes or {})
+        forms = [_Vetoed(f.form, reasons[f.form]) if f.form in reasons else f for f in self.forms]
+        with self._tier_view():
+            plan = plan_resume(forms, hashes, prompt_tokens, device.hash_hit_tokens, self.unit_tokens)
+        if plan.resume_tokens <= device.resume_tokens - device.replayed_tokens:
+            return None
+        entries: dict[Form, list[tuple[BlockPool, TierEntry]]] = {}
+        for f in self.forms:
+            for pool, h in f.needed_keys(hashes, plan.resume_tokens):
+                if pool.lookup(h) is None:
+                    entry = self.tiers.readable(pool.name, h)
+                    if entry is None:
+                        raise RuntimeError(f"{pool.name}: the tier-view plan needs {h.hex()}, which no tier holds")
+                    entries.setdefault(f.form, []).append((pool, entry))
+        return _SwapPlan(plan, entries)
+
+    def admit(
+        self,
+        hashes: Sequence[BlockHash],
+        prompt_tokens: int,
+        costs: CostModel | None,
+        *,
+        output_tokens: int = 0,
+        vetoes: Mapping[Form, Reason] | None = None,
+    ) -> Admitted:
+        """Choose and prepare a request's plan (DESIGN.md §4, red lines 1 and 2).
+
+        Candidates: the device's own plan (exact, or Tail-Replay), the exact plan without
+        Tail-Replay, a deeper exact resume after swapping objects in from host or disk, and a
+        cold prefill; each is priced with ``costs`` (None: prefer the deepest resume) and the
+        cheapest one the recovery cap admits wins. A chosen swap-in runs here (copies on the
+        tiers' worker, waited for) and the plan is then made again on the device, so a copy that
+        fails verification lowers L* with its reason (``offload_corrupt``, ``layout_mismatch``)
+        instead of feeding wrong bytes. A form a rejected deeper plan would have recovered
+        reports ``admission_recompute_cheaper`` or ``recovery_cap_reached``.
+
+        Raises:
+            RuntimeError: an internal invariant (a planned object vanished).
+        """
+        self.settle()
+        device = self.lookup(hashes, prompt_tokens, vetoes, output_tokens=output_tokens)
+        device = self._claim_restored(hashes, device)
+        swap = self._swap_plan(hashes, prompt_tokens, vetoes, device)
+        exact = device if not device.replayed_tokens else self.lookup(hashes, prompt_tokens, vetoes, output_tokens=output_tokens, replay=False)
+        model = costs or CostModel(seconds_per_token=1.0)  # without measured costs: the deepest resume wins
+        start = device.resume_tokens - device.replayed_tokens
+        kind = Admission.TAIL_REPLAY if device.replayed_tokens else (Admission.EXACT if device.resume_tokens else Admission.COLD)
+        if kind is Admission.EXACT and any(f.outcome is Outcome.RECOVERED for f in device.forms):
+            kind = Admission.SWAP_IN  # a prefetch brought its objects back
+        candidates = [price(model, kind, start, prompt_tokens, {}, device.replayed_tokens)]
+        forced = self.config.tail_replay in ("on", "only") and self.recovery.admits(0, device.replayed_tokens)
+        if exact is not device and not (device.replayed_tokens and forced):  # on / only: the paper's setting
+            candidates.append(price(model, Admission.EXACT if exact.resume_tokens else Admission.COLD, exact.resume_tokens, prompt_tokens, {}, 0))
+        if swap is not None:
+            candidates.append(price(model, Admission.SWAP_IN, swap.plan.resume_tokens, prompt_tokens, swap.bytes_by_tier(), 0, swap.objects_by_tier()))
+        candidates.append(price(model, Admission.COLD, 0, prompt_tokens, {}, 0))
+        best, rejected = choose(candidates, self.recovery)
+        predicted = best.predicted_seconds if costs is not None else 0.0
+        why = {c.admission: Reason.RECOVERY_CAP_REACHED if how == "cap" else Reason.ADMISSION_RECOMPUTE_CHEAPER for c, how in rejected}
+
+        if best.admission is Admission.SWAP_IN and swap is not None:
+            plan = self._run_swap_in(hashes, prompt_tokens, output_tokens, vetoes, swap, device, best)
+            return Admitted(plan=plan, admission=Admission.SWAP_IN, predicted_seconds=predicted)
+        chosen: ResumePlan | None = device if best is candidates[0] else None
+        if chosen is None and best.admission is not Admission.COLD and best.start_tokens == exact.resume_tokens:
+            chosen = exact
+        if chosen is None:  # cold: nothing reused
+            cold = dict.fromkeys((f.form for f in self.forms), Reason.ADMISSION_RECOMPUTE_CHEAPER)
+            chosen = self.lookup(hashes, prompt_tokens, cold, output_tokens=output_tokens, replay=False)
+        plan = chosen
+        relabel: dict[Form, Reason] = {}
+        if device.replayed_tokens and plan is not device and Admission.TAIL_REPLAY in why:
+            relabel[Form.LINEAR_STATE] = why[Admission.TAIL_REPLAY]
+        if swap is not None and Admission.SWAP_IN in why:
+            relabel |= dict.fromkeys(swap.entries, why[Admission.SWAP_IN])
+        plan = _relabel(plan, relabel)
+        admission = best.admission
+        if admission is not Admission.TAIL_REPLAY and swap is not None and plan.resume_tokens:
+            admission = Admission.LOWER_RESUME
+        self.recovery.acquire(0, plan.replayed_tokens)
+        return Admitted(plan=plan, admission=admission, predicted_seconds=predicted, held_replay_tokens=plan.replayed_tokens)
+
+    def finish_recovery(self, admitted: Admitted) -> None:
+        """Give back the recovery budget a request held while it recovered (Tail-Replay
+        tokens are in flight until its prefill ends)."""
+        self.recovery.release(0, admitted.held_replay_tokens)
+
+    def _run_swap_in(
+        self,
+        hashes: Sequence[BlockHash],
+        prompt_tokens: int,
+        output_tokens: int,
+        vetoes: Mapping[Form, Reason] | None,
+        swap: _SwapPlan,
+        device: ResumePlan,
+        chosen: Candidate,
+    ) -> ResumePlan:
+        """Bring back every object of ``swap`` as one unit, then plan again on the device: the
+        plan resumes at the deepest point where every form's objects arrived intact."""
+        assert self.tiers is not None
+        t0 = time.perf_counter()
+        nbytes = chosen.total_swap_bytes
+        self.recovery.acquire(nbytes, 0)
+        leased: list[tuple[BlockPool, int]] = []
+        failures: dict[Form, Reason] = {}
+        swaps: list[tuple[Form, SwapIn]] = []
+        try:
+            # lease what is already on the device first, so the swap-ins' allocations cannot
+            # evict it (case C8), and reserve the entries so the tiers cannot drop them
+            for f in self.forms:
+                for pool, h in f.needed_keys(hashes, swap.plan.resume_tokens):
+                    block = pool.lookup(h)
+                    if block is not None:
+                        pool.lease(block)
+                        leased.append((pool, block))
+            reserved = [(form, pool, e) for form, items in swap.entries.items() for pool, e in items]
+            for _, _, entry in reserved:
+                self.tiers.begin_swap_in(entry)
+            for i, (form, pool, entry) in enumerate(reserved):
+                try:
+                    block = pool.allocate()
+                except PoolExhausted:
+                    for _, _, rest in reserved[i:]:
+                        self.tiers.cancel_swap_in(rest)
+                    failures.setdefault(form, Reason.RECOVERY_CAP_REACHED)
+                    break
+                leased.append((pool, block))
+                swaps.append((form, self.tiers.copy_in(pool, entry, block)))
+            self.tiers.release()
+            concurrent.futures.wait([s.future for _, s in swaps])
+            for form, s in swaps:
+                reason = self.tiers.finish_swap_in(s)
+                if reason is not None:
+                    failures.setdefault(form, reason)
+        finally:
+            for pool, block in leased:
+                pool.release(block)
+            self.recovery.release(nbytes, 0)
+        seconds = time.perf_counter() - t0
+        plan = self.lookup(hashes, prompt_tokens, vetoes, output_tokens=output_tokens, replay=False)
+        moved: dict[Form, tuple[Tier, int]] = {}
+        for form, items in swap.entries.items():
+            if form not in failures:
+                tiers = {e.tier for _, e in items}
+                moved[form] = (Tier.DISK if Tier.DISK in tiers else Tier.HOST, sum(e.nbytes for _, e in items))
+        plan = _mark_recovered(plan, device, {form: (tier, b, seconds) for form, (tier, b) in moved.items()})
+        return _relabel(plan, failures)
+
+    def _in_flight_forms(self, hashes: Sequence[BlockHash], tokens: int) -> dict[Form, Reason]:
+        """Forms that need, to resume at ``tokens``, an object whose swap-in is in flight."""
+        assert self.tiers is not None
+        tiers = self.tiers
+        return {
+            f.form: Reason.IN_FLIGHT_SWAP
+            for f in self.forms
+            if any(tiers.in_flight(pool.name, h) for pool, h in f.needed_keys(hashes, tokens))
+        }
+
+    def settle(self, *, wait: bool | None = None) -> None:
+        """Before a lookup: complete the tiers' finished copies, and the swap-ins a prefetch
+        started — waiting for those still in flight when ``wait`` (default:
+        ``CacheConfig.swap_in_wait``)."""
+        if self.tiers is None:
+            return
+        if self._prefetched and (self.config.swap_in_wait if wait is None else wait):
+            self.tiers.release()
+            concurrent.futures.wait([s.future for s in self._prefetched])
+        self._commit_prefetched()
+        self.tiers.poll()
+
+    def prefetch(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> int:
+        """Start swapping in, without waiting, what a request with this prompt would need from
+        the tiers (SGLang HiCache-style prefetch of a queued request). The objects become
+        visible when a later :meth:`settle` commits them; until then they are in flight.
+        Returns the bytes enqueued."""
+        if self.tiers is None:
+            return 0
+        self.settle()
+        device = self.lookup(hashes, prompt_tokens, replay=False)
+        swap = self._swap_plan(hashes, prompt_tokens, None, device)
+        if swap is None or not self.recovery.admits(sum(swap.bytes_by_tier().values()), 0):
+            return 0
+        total = 0
+        for _, items in swap.entries.items():
+            for pool, entry in items:
+                if pool.num_free <= 1:
+                    return total
+                self.tiers.begin_swap_in(entry)
+                block = pool.allocate()
+                self._prefetched.append(self.tiers.copy_in(pool, entry, block))
+                total += entry.nbytes
+        return total
+
+    def _commit_prefetched(self) -> None:
+        assert self.tiers is not None
+        pending = []
+        for s in self._prefetched:
+            if not s.future.done():
+                pending.append(s)
+                continue
+            self.tiers.finish_swap_in(s)
+            if s.published:
+                key = (s.pool.name, s.entry.block_hash)
+                self._restored[key] = (s.entry.tier, s.entry.nbytes, time.perf_counter() - s.started)
+                if len(self._restored) > sum(p.num_blocks for f in self.forms for p in f.pools):
+                    self._restored.pop(next(iter(self._restored)))
+            s.pool.release(s.block)
+        self._prefetched = pending
+
+    def _claim_restored(self, hashes: Sequence[BlockHash], plan: ResumePlan) -> ResumePlan:
+        """Forms whose objects at L* a prefetch brought back report ``recovered`` (once)."""
+        if not self._restored or not plan.resume_tokens:
+            return plan
+        resume = plan.resume_tokens - plan.replayed_tokens
+        found: dict[Form, tuple[Tier, int, float]] = {}
+        for f in self.forms:
+            for pool, h in f.needed_keys(hashes, resume):
+                got = self._restored.pop((pool.name, h), None)
+                if got is not None:
+                    tier, b, sec = found.get(f.form, (Tier.HOST, 0, 0.0))
+                    found[f.form] = (Tier.DISK if Tier.DISK in (tier, got[0]) else Tier.HOST, b + got[1], max(sec, got[2]))
+        if not found:
+            return plan
+        prior = {f.form: dataclasses.replace(f, reason=_missing_reason(f.form)) for f in plan.forms}
+        return _mark_recovered(plan, dataclasses.replace(plan, forms=tuple(prior.values())), found)
+
+    def offload_all(self, tier: Tier, *, evict: bool = True) -> int:
+        """Copy every cached device object to ``tier`` and wait for the copies; with ``evict``
+        the device copies of those objects are then dropped (what memory pressure would do,
+        at once). Objects leased by running requests stay. Returns the objects the tier holds
+        afterwards.
+
+        Raises:
+            ValueError: that tier is off.
+        """
+        if self.tiers is None or not self.tiers.capacity[tier]:
+            raise ValueError(f"the {tier} tier is off (set CacheConfig.{tier}_tier_bytes)")
+        moved: list[tuple[BlockPool, int]] = []
+        for f in self.forms:
+            for pool in f.pools:
+                for h, block in list(pool.cached_blocks.items()):
+                    if pool.ref_count[block] == 0 and self.tiers.offload_now(pool, block, h, tier):
+                        moved.append((pool, block))
+        self.tiers.flush()
+        if evict:
+            for pool, block in moved:
+                held = pool.block_hash[block]
+                if held is not None and self.tiers.readable(pool.name, held) is not None:
+                    pool.evict(block)
+        return len(moved)
 
     def inject_eviction(self, plan: ResumePlan, hashes: Sequence[BlockHash]) -> None:
         """Fault ``evict_between_check_and_use``: invalidate the deepest page the plan matched
@@ -626,7 +984,7 @@ class PrefixCache:
         """
         stored = self.has_checkpoint_forms
         h = hashes[tokens // self.unit_tokens - 1]
-        if self.linear is not None and self.linear.pool.lookup(h) is None:
+        if self.linear is not None and self.config.tail_replay != "only" and self.linear.pool.lookup(h) is None:
             try:
                 slot = self.linear.pool.allocate()
             except PoolExhausted:
@@ -679,11 +1037,16 @@ class PrefixCache:
             for pool in f.pools:
                 pool.check_invariants()
                 expected.update(h for h in pool.block_hash if h is not None)
-        assert dict(expected) == self.index.snapshot(), "prefix index disagrees with the pools"
+        if self.tiers is not None:
+            self.tiers.check_invariants()
+            expected.update(self.tiers.readable_hashes())
+        assert dict(expected) == self.index.snapshot(), "prefix index disagrees with the pools and tiers"
         running = [seq for seq in self.running if not seq.finished]
+        prefetching = Counter((id(s.pool), s.block) for s in self._prefetched)
         for form in self.kv_forms:
             held = Counter(b for seq in running for b in seq.tables[form] if b != SENTINEL_BLOCK)
             held.update(b for seq in running for pool, b in seq.pinned if pool is form.pool)
+            held.update(b for (pool_id, b), n in prefetching.items() for _ in range(n) if pool_id == id(form.pool))
             for block in range(1, form.pool.num_blocks):
                 rc = form.pool.ref_count[block]
                 assert rc == held[block], f"{form.form}: block {block} has {rc} leases, {held[block]} running requests hold it"
@@ -692,6 +1055,7 @@ class PrefixCache:
         for i, pages in enumerate(self.entry_groups()):
             held = Counter(b for seq in running for b in seq.entry_tables[i])
             held.update(b for seq in running for pool, b in seq.pinned if pool is pages.pool)
+            held.update(b for (pool_id, b), n in prefetching.items() for _ in range(n) if pool_id == id(pages.pool))
             for block in range(1, pages.pool.num_blocks):
                 rc = pages.pool.ref_count[block]
                 assert rc == held[block], f"{pages.pool.name}: block {block} has {rc} leases, {held[block]} running requests hold it"
@@ -701,7 +1065,54 @@ class PrefixCache:
                 continue
             for pool in f.pools:
                 if id(pool) not in entry_pools:
-                    assert pool.num_leased == 0, f"{pool.name}: {pool.num_leased} slots leased between steps"
+                    fetching = sum(n for (pool_id, _), n in prefetching.items() if pool_id == id(pool))
+                    assert pool.num_leased == fetching, f"{pool.name}: {pool.num_leased} slots leased between steps"
         if self.budget is not None:
             total = sum(p.bytes for p in self.pool_plans())
             assert total <= self.budget[0], f"the pools take {total} bytes, over the {self.budget[0]}-byte budget"
+
+
+_MISSING = {
+    Form.FULL_KV: Reason.KV_EVICTED,
+    Form.SWA_WINDOW: Reason.SWA_EVICTED,
+    Form.COMPRESSED_KV: Reason.COMPRESSED_EVICTED,
+    Form.UNCOMPRESSED_TAIL: Reason.TAIL_MISSING,
+    Form.INDEXER_STATE: Reason.INDEXER_STALE,
+    Form.LINEAR_STATE: Reason.LINEAR_CHECKPOINT_MISSING,
+}
+
+
+def _missing_reason(form: Form) -> Reason:
+    """Why a form's device copy was missing when a lower tier had to supply it."""
+    return _MISSING[form]
+
+
+def _relabel(plan: ResumePlan, reasons: Mapping[Form, Reason]) -> ResumePlan:
+    """Give forms that lost tokens (not ``hit``) the reason the caller knows better (a failed
+    swap-in, a refused plan); the limiting reason follows its form."""
+    if not reasons:
+        return plan
+    forms = tuple(
+        dataclasses.replace(f, reason=reasons[f.form]) if f.form in reasons and f.outcome is Outcome.INVALIDATED else f
+        for f in plan.forms
+    )
+    limiting = plan.limiting_reason
+    lim = plan.limiting_form
+    if lim is not None and lim in reasons and plan.form(lim).outcome is Outcome.INVALIDATED:
+        limiting = reasons[lim]
+    return dataclasses.replace(plan, forms=forms, limiting_reason=limiting)
+
+
+def _mark_recovered(plan: ResumePlan, before: ResumePlan, moved: Mapping[Form, tuple[Tier, int, float]]) -> ResumePlan:
+    """Forms that resume in ``plan`` thanks to swapped-in objects: outcome ``recovered`` with
+    the reason their device copy was missing (from ``before``), the tier, bytes and seconds."""
+    forms = []
+    for f in plan.forms:
+        got = moved.get(f.form)
+        if got is not None and f.outcome is Outcome.HIT:
+            prior = before.form(f.form).reason
+            reason = prior if prior not in (Reason.NONE, Reason.NO_PREFIX_MATCH, Reason.PROMPT_END) else _missing_reason(f.form)
+            tier, nbytes, seconds = got
+            f = dataclasses.replace(f, outcome=Outcome.RECOVERED, reason=reason, tier=tier, bytes_moved=nbytes, recovery_seconds=seconds)
+        forms.append(f)
+    return dataclasses.replace(plan, forms=tuple(forms))

@@ -181,3 +181,28 @@ def test_config_validation(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError) as info:
         AgentConfig(**changes)  # type: ignore[arg-type]
     assert message in str(info.value)
+
+
+def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
+    """Migration 2 adds the admission's predicted and actual seconds to ``requests``; rows
+    stored under version 1 keep their values and read 0 there."""
+    import duckdb
+
+    from agent.store import _migrate
+
+    path = tmp_path / "v1.duckdb"
+    con = duckdb.connect(str(path))
+    _migrate(con, MIGRATIONS[:1])
+    con.execute(
+        "INSERT INTO requests VALUES (now()::TIMESTAMP, 'e1', 'r1', 'm1', 100, 1, 64, 64, 64, 0, 36, false, "
+        "NULL, 'none', 'exact', 0.5, 0.6, now()::TIMESTAMP)"
+    )
+    con.close()
+    store = Store.open(path)
+    try:
+        assert store.open_report.applied == (2,) and store.schema_version == SCHEMA_VERSION
+        with store.cursor() as cur:
+            rows = cur.execute("SELECT request_id, ttft_seconds, predicted_seconds, actual_seconds FROM requests").fetchall()
+        assert rows == [("r1", 0.5, 0.0, 0.0)]
+    finally:
+        store.close()

@@ -21,11 +21,14 @@ def test_bench_ttft_prints_one_object_with_every_plan(tmp_path: Path, capsys: py
     doc = json.loads(capsys.readouterr().out)
     assert doc["model"] == "kvscope_hybrid-tiny" and doc["device"] == "cpu" and doc["suffix_tokens"] == 32
     rows = {(r["prefix_tokens"], r["plan"]): r for r in doc["results"]}
-    assert set(rows) == {(p, plan) for p in (256, 512) for plan in ("cold", "exact", "replay_5", "replay_10")}
+    assert set(rows) == {(p, plan) for p in (256, 512) for plan in ("cold", "exact", "disk", "replay_5", "replay_10")}
     for (_, plan), r in rows.items():
         assert r["ttft_seconds"] > 0 and r["speedup"] > 0
         if plan == "cold":
             assert r["speedup"] == 1.0 and r["kl"] is None and r["top1_agreement"] is None
+        elif plan == "disk":  # a restore from disk (or the recompute the admission priced cheaper) is exact
+            assert r["kl"] < 1e-6 and r["top1_agreement"] == 1.0
+            assert (r["admission"] == "swap_in") == (r["bytes_moved"] > 0), r
         elif plan.startswith("replay"):
             assert r["replayed_tokens"] > 0  # the replay really ran
             assert r["kl"] >= 0 and 0 <= r["top1_agreement"] <= 1

@@ -24,7 +24,7 @@ from engine.cache.lifecycle import (
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cache-lifecycle.md"
-BUMPING = {Event.ALLOCATE, Event.EVICT, Event.INVALIDATE, Event.SWAP_IN_DONE}
+BUMPING = {Event.ALLOCATE, Event.EVICT, Event.INVALIDATE, Event.SWAP_OUT_BEGIN, Event.SWAP_FAIL}
 
 
 # -- the transition table ------------------------------------------------------------------------
@@ -52,21 +52,23 @@ def test_each_pair_is_applied_or_refused_by_the_table(state: BlockState, event: 
         assert row.bumps_epoch == (event in BUMPING) and row.precondition and row.rollback
 
 
-def test_swap_round_trip_and_failures() -> None:
-    states, epochs = [BlockState.CACHED], [3]
+def test_tier_entry_round_trip_and_failures() -> None:
+    """A tier entry: created by a copy down, read back (inclusive: it stays OFFLOADED), a
+    cancelled swap-in leaves it intact, a failed one drops it with a new epoch."""
+    states, epochs = [BlockState.FREE], [3]
     for event, expected in (
-        (Event.SWAP_OUT_BEGIN, BlockState.SWAPPING_OUT),
-        (Event.SWAP_FAIL, BlockState.CACHED),
         (Event.SWAP_OUT_BEGIN, BlockState.SWAPPING_OUT),
         (Event.SWAP_OUT_DONE, BlockState.OFFLOADED),
         (Event.SWAP_IN_BEGIN, BlockState.SWAPPING_IN),
-        (Event.SWAP_FAIL, BlockState.OFFLOADED),
+        (Event.SWAP_CANCEL, BlockState.OFFLOADED),
         (Event.SWAP_IN_BEGIN, BlockState.SWAPPING_IN),
-        (Event.SWAP_IN_DONE, BlockState.RESIDENT),
+        (Event.SWAP_IN_DONE, BlockState.OFFLOADED),
     ):
         assert transition(states, epochs, 0, event) is expected
-    assert epochs == [4]  # only swap_in_done rewrote the bytes
-    with pytest.raises(IllegalTransition, match="allowed from RESIDENT: invalidate, lease, release, release_last"):
+    assert epochs == [4]  # only the copy down made a new object
+    transition(states, epochs, 0, Event.SWAP_IN_BEGIN)
+    assert transition(states, epochs, 0, Event.SWAP_FAIL) is BlockState.FREE and epochs == [5]
+    with pytest.raises(IllegalTransition, match="allowed from FREE: allocate, swap_out_begin"):
         transition(states, epochs, 0, Event.SWAP_IN_DONE)
 
 

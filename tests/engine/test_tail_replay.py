@@ -36,7 +36,7 @@ def evict_checkpoints(llm: LLM, prefix: list[int]) -> None:
 
 def test_replay_resumes_past_a_missing_checkpoint_flagged_and_uncached() -> None:
     sink = ListSink()
-    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay=True), check_invariants=True, telemetry=sink)
+    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay="fallback"), check_invariants=True, telemetry=sink)
     prefix = tokens(200, 60)
     evict_checkpoints(llm, prefix)
     follow_up = [*prefix, *tokens(30, 61)]
@@ -80,7 +80,7 @@ def test_off_by_default_and_exact_checkpoints_win() -> None:
     assert not out.approximate and out.cache.replayed_tokens == 0
     assert out.cache.form(Form.LINEAR_STATE).reason == Reason.LINEAR_CHECKPOINT_MISSING
     # with the option on, an exact checkpoint at the hit is used as it is
-    replaying = LLM("qwen3_next-tiny", cache=cache(tail_replay=True), check_invariants=True)
+    replaying = LLM("qwen3_next-tiny", cache=cache(tail_replay="fallback"), check_invariants=True)
     replaying.score(prefix)
     exact = assert_warm_equals_cold(replaying, [*prefix, *tokens(30, 64)])
     assert not exact.approximate and exact.resume_tokens == 192
@@ -92,7 +92,7 @@ def test_replay_on_the_hybrid_only_where_every_other_form_can_start() -> None:
     replays; R = 32 would start at 160, where no window is stored, so the exact plan stands."""
     prefix, suffix = tokens(200, 65), tokens(30, 66)
     for replay_min, replays in ((64, True), (32, False)):
-        config = cache(tail_replay=True, replay_min_tokens=replay_min, tail_slots=64, swa_blocks=128)
+        config = cache(tail_replay="fallback", replay_min_tokens=replay_min, tail_slots=64, swa_blocks=128)
         llm = LLM(cache=config, check_invariants=True)
         evict_checkpoints(llm, prefix)
         out = llm.score([*prefix, *suffix])
@@ -127,7 +127,7 @@ def test_replay_settings_are_checked(fields: dict[str, object], message: str) ->
 def test_replayed_request_keeps_the_pages_it_matched() -> None:
     """The replay computes from L − R, but its lookup matched up to L: its own allocations must
     not evict the pages of [L − R, L) (case C8), so the prefix still hits afterwards."""
-    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay=True, full_kv_blocks=24), check_invariants=True)
+    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay="fallback", full_kv_blocks=24), check_invariants=True)
     prefix = tokens(200, 60)
     llm.score(prefix)
     for seed in range(3):
@@ -141,7 +141,7 @@ def test_replayed_request_keeps_the_pages_it_matched() -> None:
 
 
 def test_replay_length_stays_within_its_bounds() -> None:
-    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay=True, replay_min_tokens=40, replay_max_tokens=40))
+    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay="fallback", replay_min_tokens=40, replay_max_tokens=40))
     prefix = tokens(200, 67)
     evict_checkpoints(llm, prefix)
     out = llm.score([*prefix, *tokens(30, 68)])
@@ -151,7 +151,7 @@ def test_replay_length_stays_within_its_bounds() -> None:
 def test_replay_is_refused_where_its_extra_pages_would_not_fit() -> None:
     """The replayed rows need R/U pages of their own next to the pinned matched ones; with a
     full-KV pool that only fits the request itself the exact plan runs instead (no exhaustion)."""
-    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay=True, full_kv_blocks=17), check_invariants=True)
+    llm = LLM("qwen3_next-tiny", cache=cache(tail_replay="fallback", full_kv_blocks=17), check_invariants=True)
     prefix = tokens(200, 69)
     evict_checkpoints(llm, prefix)
     out = assert_warm_equals_cold(llm, [*prefix, *tokens(30, 70)])  # 15 pages + 2 replayed > 16
