@@ -138,6 +138,10 @@ class LLM:
                 self.cache.tiers.corrupt_writes = faults.corrupt_offloaded_file
                 if faults.read_during_swap_in:
                     self.cache.tiers.hold()
+        if cost_model is not None and self.cache.tiers is not None:
+            missing = [str(t) for t, on in self.cache.tiers.enabled.items() if on and t not in cost_model.tier_bytes_per_second]
+            if missing:
+                raise ValueError(f"cost_model has no tier_bytes_per_second for the enabled {' and '.join(missing)} tier")
         self.cost_model = cost_model
         self._needs_costs = cost_model is None and (self.cache.tiers is not None or self.cache_config.tail_replay != "off")
         if block_events:
@@ -264,15 +268,18 @@ class LLM:
         if self.cache.faults.evict_between_check_and_use:
             self.cache.inject_eviction(plan, hashes)
         try:
+            seq = self.cache.start(plan, token_ids, hashes)
+        except StaleResume as stale:  # changed between check and use: recompute, say why
+            self.cache.finish_recovery(admitted)
+            admitted = self.cache.admit(
+                hashes, len(token_ids), costs, output_tokens=params.max_tokens, vetoes={stale.form: Reason.EPOCH_CHANGED}
+            )
+            plan = admitted.plan
             try:
                 seq = self.cache.start(plan, token_ids, hashes)
-            except StaleResume as stale:  # changed between check and use: recompute, say why
+            except BaseException:
                 self.cache.finish_recovery(admitted)
-                admitted = self.cache.admit(
-                    hashes, len(token_ids), costs, output_tokens=params.max_tokens, vetoes={stale.form: Reason.EPOCH_CHANGED}
-                )
-                plan = admitted.plan
-                seq = self.cache.start(plan, token_ids, hashes)
+                raise
         except BaseException:
             self.cache.finish_recovery(admitted)
             raise

@@ -8,6 +8,7 @@ float dtypes are accepted — each failure names the file and the tensor or fiel
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -91,6 +92,10 @@ def load_model(ref: str | Path | Any, device: torch.device) -> LoadedModel:
 
 def _random(config: Any, name: str, device: torch.device) -> LoadedModel:
     _, build = FAMILIES[config.model_type].resolve()
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        # random weights are named by everything that makes them: the config and the seed
+        digest = hashlib.sha256(f"{config!r}|seed={getattr(config, 'seed', 0)}".encode()).hexdigest()[:12]
+        config = dataclasses.replace(config, revision=f"{getattr(config, 'revision', 'random')}+{digest}")
     model = build(config)
     model.init_random(getattr(config, "seed", 0))
     model.to(device).eval()
@@ -116,7 +121,9 @@ def load_directory(path: Path, device: torch.device, name: str | None = None) ->
         )
     config_from_dict, build = family.resolve()
     try:
-        config = config_from_dict({**raw, "revision": raw.get("revision") or _revision(path)})
+        declared = raw.get("revision")
+        content = _revision(path)  # a declared revision alone may name two different trainings
+        config = config_from_dict({**raw, "revision": f"{declared}+{content}" if declared else content})
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from None
     model = build(config)

@@ -31,6 +31,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a non-negative integer")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
@@ -60,12 +67,12 @@ def _add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compressed-blocks", type=_positive_int, default=defaults.compressed_blocks, help="pages per compressed_kv / indexer key pool (default: %(default)s)")
     p.add_argument("--tail-slots", type=_positive_int, default=defaults.tail_slots, help="uncompressed_tail / indexer pending-row slots (default: %(default)s)")
     p.add_argument(
-        "--tail-replay", nargs="?", const="fallback", default="off", choices=("off", "fallback", "on", "only"),
-        help="rebuild linear_state by replaying the last tokens (approximate, flagged): fallback (the bare flag) only when "
-        "no exact checkpoint is within the replay budget, on always, only storing no recurrent checkpoints (default: %(default)s)",
+        "--tail-replay", default="off", choices=("off", "fallback", "on", "only"),
+        help="rebuild linear_state by replaying the last tokens (approximate, flagged): fallback only when no exact "
+        "checkpoint is within the replay budget, on always, only: on and no recurrent checkpoints stored (default: %(default)s)",
     )
-    p.add_argument("--host-tier-mib", type=int, default=0, help="host-memory tier every evicted object is copied down to (MiB; 0: off)")
-    p.add_argument("--disk-tier-mib", type=int, default=0, help="disk tier below the host tier (MiB; 0: off)")
+    p.add_argument("--host-tier-mib", type=_non_negative_int, default=0, help="host-memory tier every evicted object is copied down to (MiB; 0: off)")
+    p.add_argument("--disk-tier-mib", type=_non_negative_int, default=0, help="disk tier below the host tier (MiB; 0: off)")
     p.add_argument("--disk-tier-dir", type=Path, default=None, help="the disk tier's files (default: tiers/ under --data-dir; found again on restart)")
     p.add_argument("--cache-memory-mib", type=_positive_int, default=None, help="one byte budget (MiB) for every pool: a memory plan replaces the block counts above")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")

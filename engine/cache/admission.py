@@ -69,6 +69,9 @@ class CostModel:
         for tier, bw in self.tier_bytes_per_second.items():
             if bw <= 0:
                 raise ValueError(f"CostModel: {tier} bandwidth must be positive, got {bw}")
+        for tier, sec in self.tier_seconds_per_object.items():
+            if sec < 0:
+                raise ValueError(f"CostModel: {tier} seconds per object must be non-negative, got {sec}")
 
     def prefill_seconds(self, start: int, end: int) -> float:
         """Predicted seconds to prefill positions ``[start, end)`` after ``start`` cached ones."""

@@ -633,6 +633,7 @@ class PrefixCache:
         leased: list[tuple[BlockPool, int]] = []
         failures: dict[Form, Reason] = {}
         swaps: list[tuple[Form, SwapIn]] = []
+        pending: list[tuple[Form, BlockPool, TierEntry]] = []
         try:
             # lease what is already on the device first, so the swap-ins' allocations cannot
             # evict it (case C8), and reserve the entries so the tiers cannot drop them
@@ -645,23 +646,31 @@ class PrefixCache:
             reserved = [(form, pool, e) for form, items in swap.entries.items() for pool, e in items]
             for _, _, entry in reserved:
                 self.tiers.begin_swap_in(entry)
-            for i, (form, pool, entry) in enumerate(reserved):
+            pending = list(reserved)
+            while pending:
+                form, pool, entry = pending[0]
                 try:
                     block = pool.allocate()
-                except PoolExhausted:
-                    for _, _, rest in reserved[i:]:
-                        self.tiers.cancel_swap_in(rest)
+                except PoolExhausted:  # the device pools cannot take the whole unit
                     failures.setdefault(form, Reason.RECOVERY_CAP_REACHED)
                     break
+                pending.pop(0)
                 leased.append((pool, block))
                 swaps.append((form, self.tiers.copy_in(pool, entry, block)))
             self.tiers.release()
             concurrent.futures.wait([s.future for _, s in swaps])
-            for form, s in swaps:
+            while swaps:
+                form, s = swaps.pop(0)
                 reason = self.tiers.finish_swap_in(s)
                 if reason is not None:
                     failures.setdefault(form, reason)
         finally:
+            for _, _, entry in pending:  # reserved, never copied: intact
+                self.tiers.cancel_swap_in(entry)
+            # never give a block back while a copy into it may still run (an exception above)
+            concurrent.futures.wait([s.future for _, s in swaps])
+            for _, s in swaps:
+                self.tiers.finish_swap_in(s)
             for pool, block in leased:
                 pool.release(block)
             self.recovery.release(nbytes, 0)
@@ -700,25 +709,31 @@ class PrefixCache:
     def prefetch(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> int:
         """Start swapping in, without waiting, what a request with this prompt would need from
         the tiers (SGLang HiCache-style prefetch of a queued request). The objects become
-        visible when a later :meth:`settle` commits them; until then they are in flight.
-        Returns the bytes enqueued."""
+        visible when a later :meth:`settle` commits them; until then they are in flight and
+        their bytes count against the recovery cap. Returns the bytes enqueued (0 when nothing
+        needs a swap-in, the cap refuses it, or the pools have no room)."""
         if self.tiers is None:
             return 0
         self.settle()
         device = self.lookup(hashes, prompt_tokens, replay=False)
         swap = self._swap_plan(hashes, prompt_tokens, None, device)
-        if swap is None or not self.recovery.admits(sum(swap.bytes_by_tier().values()), 0):
+        if swap is None:
             return 0
-        total = 0
-        for _, items in swap.entries.items():
-            for pool, entry in items:
-                if pool.num_free <= 1:
-                    return total
-                self.tiers.begin_swap_in(entry)
-                block = pool.allocate()
-                self._prefetched.append(self.tiers.copy_in(pool, entry, block))
-                total += entry.nbytes
-        return total
+        reserved = [(pool, e) for items in swap.entries.values() for pool, e in items]
+        need = Counter(pool.name for pool, _ in reserved)
+        nbytes = sum(e.nbytes for _, e in reserved)
+        pools = {pool.name: pool for pool, _ in reserved}
+        if any(pools[name].num_free < n + 1 for name, n in need.items()) or not self.recovery.admits(nbytes, 0):
+            return 0
+        # reserve every entry before allocating: an allocation's write-back may make room in
+        # the tier, and must not drop what this prefetch is about to read
+        for _, entry in reserved:
+            self.tiers.begin_swap_in(entry)
+        self.recovery.acquire(nbytes, 0)
+        for pool, entry in reserved:
+            block = pool.allocate()
+            self._prefetched.append(self.tiers.copy_in(pool, entry, block))
+        return nbytes
 
     def _commit_prefetched(self) -> None:
         assert self.tiers is not None
@@ -728,6 +743,7 @@ class PrefixCache:
                 pending.append(s)
                 continue
             self.tiers.finish_swap_in(s)
+            self.recovery.release(s.entry.nbytes, 0)
             if s.published:
                 key = (s.pool.name, s.entry.block_hash)
                 self._restored[key] = (s.entry.tier, s.entry.nbytes, time.perf_counter() - s.started)
@@ -755,13 +771,15 @@ class PrefixCache:
 
     def offload_all(self, tier: Tier, *, evict: bool = True) -> int:
         """Copy every cached device object to ``tier`` and wait for the copies; with ``evict``
-        the device copies of those objects are then dropped (what memory pressure would do,
-        at once). Objects leased by running requests stay. Returns the objects the tier holds
-        afterwards.
+        the device copies of the objects the tier holds are then dropped (what memory pressure
+        would do, at once). Objects leased by running requests stay. Returns how many of the
+        copied objects the tier holds afterwards (fewer when it is smaller than the data).
 
         Raises:
             ValueError: that tier is off.
         """
+        if tier is Tier.DEVICE:
+            raise ValueError("offload copies objects down to the host or disk tier, not to the device")
         if self.tiers is None or not self.tiers.capacity[tier]:
             raise ValueError(f"the {tier} tier is off (set CacheConfig.{tier}_tier_bytes)")
         moved: list[tuple[BlockPool, int]] = []
@@ -771,12 +789,14 @@ class PrefixCache:
                     if pool.ref_count[block] == 0 and self.tiers.offload_now(pool, block, h, tier):
                         moved.append((pool, block))
         self.tiers.flush()
-        if evict:
-            for pool, block in moved:
-                held = pool.block_hash[block]
-                if held is not None and self.tiers.readable(pool.name, held) is not None:
+        held = 0
+        for pool, block in moved:
+            key = pool.block_hash[block]
+            if key is not None and self.tiers.readable(pool.name, key) is not None:
+                held += 1  # (a tier smaller than the data keeps only the last objects)
+                if evict:
                     pool.evict(block)
-        return len(moved)
+        return held
 
     def inject_eviction(self, plan: ResumePlan, hashes: Sequence[BlockHash]) -> None:
         """Fault ``evict_between_check_and_use``: invalidate the deepest page the plan matched
@@ -1104,15 +1124,18 @@ def _relabel(plan: ResumePlan, reasons: Mapping[Form, Reason]) -> ResumePlan:
 
 
 def _mark_recovered(plan: ResumePlan, before: ResumePlan, moved: Mapping[Form, tuple[Tier, int, float]]) -> ResumePlan:
-    """Forms that resume in ``plan`` thanks to swapped-in objects: outcome ``recovered`` with
-    the reason their device copy was missing (from ``before``), the tier, bytes and seconds."""
+    """Forms that resume in ``plan`` thanks to swapped-in objects: the tier, bytes and seconds
+    of their swap-in, and outcome ``recovered`` with the reason their device copy was missing
+    (from ``before``) unless they lost tokens past L* anyway."""
     forms = []
     for f in plan.forms:
         got = moved.get(f.form)
-        if got is not None and f.outcome is Outcome.HIT:
-            prior = before.form(f.form).reason
-            reason = prior if prior not in (Reason.NONE, Reason.NO_PREFIX_MATCH, Reason.PROMPT_END) else _missing_reason(f.form)
+        if got is not None:
             tier, nbytes, seconds = got
-            f = dataclasses.replace(f, outcome=Outcome.RECOVERED, reason=reason, tier=tier, bytes_moved=nbytes, recovery_seconds=seconds)
+            f = dataclasses.replace(f, tier=tier, bytes_moved=nbytes, recovery_seconds=seconds)
+            if f.outcome is Outcome.HIT:  # one that still lost tokens past L* stays invalidated, with its bytes
+                prior = before.form(f.form).reason
+                reason = prior if prior not in (Reason.NONE, Reason.NO_PREFIX_MATCH, Reason.PROMPT_END) else _missing_reason(f.form)
+                f = dataclasses.replace(f, outcome=Outcome.RECOVERED, reason=reason)
         forms.append(f)
     return dataclasses.replace(plan, forms=tuple(forms))

@@ -9,8 +9,9 @@ bytes. A swap-in copies an object back into a freshly allocated device block; th
 their copy (inclusive), so the next eviction of the same object copies nothing.
 
 Each copy is an entry that moves through the lifecycle table of :mod:`engine.cache.lifecycle`
-(``SWAPPING_OUT → OFFLOADED → SWAPPING_IN → OFFLOADED``; dropped: ``FREE``). Copies run on one
-worker thread (a ``ThreadPoolExecutor``; on CUDA a side stream as well) with per-entry fences:
+(``SWAPPING_OUT → OFFLOADED → SWAPPING_IN → OFFLOADED``; dropped: ``FREE``). Copies run on worker
+threads (one ``ThreadPoolExecutor`` writing files, one copying objects up; on CUDA a side stream
+as well) with per-entry fences:
 
 * copy-down: the source block is snapshotted into a staging buffer after every write to it
   (on CUDA the side stream waits for the compute stream, and the compute stream waits for the
@@ -33,6 +34,8 @@ eviction, prefetch before scheduling); file format: safetensors.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -63,6 +66,9 @@ FILE_FORMAT = "kvscope-tier-object/1"
 
 FILE_SUFFIX = ".safetensors"
 
+LOCK_FILE = ".lock"
+"""Held (``flock``) by the engine using a disk tier directory: one engine per directory."""
+
 SWAP_GATE_SECONDS = 30.0
 """Longest a swap-in held by the ``read_during_swap_in`` fault waits for its release."""
 
@@ -92,9 +98,16 @@ def _stamp_from_json(text: str) -> Stamp:
     return tuple(out)
 
 
-def _digest(tensors: dict[str, Tensor]) -> str:
-    """SHA-256 over the tensors' bytes in name order."""
+HEADER_FIELDS = ("pool", "hash", "stamp", "fingerprints")
+"""Header fields the checksum covers besides the tensor bytes."""
+
+
+def _digest(tensors: dict[str, Tensor], metadata: dict[str, str]) -> str:
+    """SHA-256 over the header fields that name the object and the tensors' bytes in name
+    order."""
     h = hashlib.sha256()
+    for key in HEADER_FIELDS:
+        h.update(f"{key}={metadata.get(key, '')}\n".encode())
     for name in sorted(tensors):
         h.update(name.encode())
         h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
@@ -168,15 +181,26 @@ class TierStore:
         device: torch.device,
     ) -> None:
         if disk_bytes and disk_dir is None:
-            raise ValueError("CacheConfig.disk_tier_bytes > 0 needs CacheConfig.disk_tier_dir (or LLM(data_dir=...))")
+            raise ValueError("CacheConfig.disk_tier_bytes > 0 needs CacheConfig.disk_tier_dir (the disk tier's directory)")
         self.capacity = {Tier.HOST: host_bytes, Tier.DISK: disk_bytes}
         self.used = {Tier.HOST: 0, Tier.DISK: 0}
         self.disk_dir = disk_dir
+        self._lock: int | None = None
         if disk_dir is not None and disk_bytes:
             try:
                 disk_dir.mkdir(parents=True, exist_ok=True)
+                self._lock = os.open(disk_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
                 raise ValueError(f"disk tier directory {disk_dir}: {exc}") from None
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(self._lock)
+                self._lock = None
+                raise ValueError(
+                    f"disk tier directory {disk_dir} is in use by another engine; give each engine its own "
+                    "CacheConfig.disk_tier_dir"
+                ) from None
         self.index = index
         self.device = device
         self.corrupt_writes = False
@@ -202,7 +226,10 @@ class TierStore:
         self.offloaded = Counter[Tier]()
         self.skipped = Counter[str]()
         """Files or copies refused, by reason (``offload_corrupt``, ``layout_mismatch``, ...)."""
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-tiers")
+        # one worker writes files, another copies objects up: a swap-in held back (by the
+        # read_during_swap_in fault, or a slow read) never holds a write-back up, and vice versa
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-tier-write")
+        self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-tier-read")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -362,7 +389,7 @@ class TierStore:
             "stamp": _stamp_to_json(entry.stamp),
             "fingerprints": json.dumps(self._pools[entry.pool].fingerprints, sort_keys=True),
         }
-        entry.fence = self._executor.submit(_write_file, entry.path, dict(entry.tensors), metadata, self.corrupt_writes)
+        entry.fence = self._writer.submit(_write_file, entry.path, dict(entry.tensors), metadata, self.corrupt_writes)
         self._writes.append(entry)
 
     def poll(self) -> None:
@@ -377,6 +404,10 @@ class TierStore:
                 continue
             entry.fence = None
             error = fence.exception()
+            if self.entries.get((entry.pool, entry.block_hash)) is not entry:  # dropped meanwhile
+                if entry.path is not None:
+                    entry.path.unlink(missing_ok=True)  # the file landed after the drop
+                continue
             state = self.states[entry.row]
             if error is not None:
                 log.warning("disk tier: writing %s failed: %s", entry.path, error)
@@ -386,18 +417,18 @@ class TierStore:
                     self._forget(entry)
                 elif state is BlockState.OFFLOADED:
                     self._drop(entry, Event.INVALIDATE)
+                else:  # being read back from its host bytes: drop it when that ends
+                    entry.doomed = True
                 continue
+            entry.tensors = None  # the file holds it now (a swap-in reading them keeps its own reference)
             if state is BlockState.SWAPPING_OUT:
-                entry.tensors = None
                 if entry.doomed:
                     self._apply(entry, Event.SWAP_FAIL)
                     self._forget(entry)
                 else:
                     self._publish(entry)
-            elif state is BlockState.OFFLOADED:
-                entry.tensors = None  # demoted: only the file holds it now
-                if entry.doomed:
-                    self._drop(entry, Event.INVALIDATE)
+            elif state is BlockState.OFFLOADED and entry.doomed:  # demoted, then dropped meanwhile
+                self._drop(entry, Event.INVALIDATE)
         self._writes = pending
 
     def flush(self) -> None:
@@ -424,13 +455,15 @@ class TierStore:
         self.index.remove(entry.block_hash)
         self.version += 1
         self._forget(entry)
+        if self.observer is not None:
+            self.observer("removed", entry.pool, entry.block_hash, entry.tier)
 
     def _forget(self, entry: TierEntry) -> None:
         del self.entries[(entry.pool, entry.block_hash)]
         del self._lru[entry.tier][entry]
         self.used[entry.tier] -= entry.nbytes
         self._free_rows.append(entry.row)
-        if entry.path is not None:
+        if entry.path is not None and entry.fence is None:  # a write in flight: poll deletes it
             entry.path.unlink(missing_ok=True)
         entry.tensors = None
 
@@ -453,7 +486,11 @@ class TierStore:
         caller, unpublished). The future's result is None when the bytes were verified and
         written into the block, else the reason they were refused."""
         reg = self._pools[pool.name]
-        future = self._executor.submit(self._read_into, reg, entry, block)
+        ready: torch.cuda.Event | None = None
+        if self._stream is not None:  # the block's previous readers, queued on the compute stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        future = self._reader.submit(self._read_into, reg, entry, block, ready)
         return SwapIn(pool, entry, block, future)
 
     def finish_swap_in(self, swap: SwapIn) -> Reason | None:
@@ -475,6 +512,8 @@ class TierStore:
             self.index.remove(entry.block_hash)
             self.version += 1
             self._forget(entry)
+            if self.observer is not None:
+                self.observer("removed", entry.pool, entry.block_hash, entry.tier)
             return reason
         self._apply(entry, Event.SWAP_IN_DONE)
         self.version += 1
@@ -492,7 +531,7 @@ class TierStore:
         """Let swap-ins held by the ``read_during_swap_in`` fault proceed."""
         self._gate.set()
 
-    def _read_into(self, reg: _Pool, entry: TierEntry, block: int) -> Reason | None:
+    def _read_into(self, reg: _Pool, entry: TierEntry, block: int, ready: torch.cuda.Event | None = None) -> Reason | None:
         """Worker thread: load, verify and copy one entry into ``block``."""
         if self.hold_swap_ins:
             self._gate.wait(SWAP_GATE_SECONDS)
@@ -512,6 +551,8 @@ class TierStore:
                 t.tensor[block].copy_(tensors[t.name])
         else:
             with torch.cuda.stream(self._stream):
+                if ready is not None:
+                    self._stream.wait_event(ready)
                 for t in reg.store.tensors:
                     t.tensor[block].copy_(tensors[t.name], non_blocking=True)
             self._stream.synchronize()
@@ -531,7 +572,11 @@ class TierStore:
         if self.disk_dir is None or not self.capacity[Tier.DISK]:
             return 0
         found = 0
-        files = sorted(self.disk_dir.glob(f"*{FILE_SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        stamped = []
+        for path in self.disk_dir.glob(f"*{FILE_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                stamped.append((path.stat().st_mtime, path))
+        files = [path for _, path in sorted(stamped)]
         for path in files:
             try:
                 with safetensors.safe_open(str(path), framework="pt") as f:
@@ -551,6 +596,8 @@ class TierStore:
             try:
                 h = bytes.fromhex(meta["hash"])
                 stamp = _stamp_from_json(meta["stamp"])
+                if stamp and not isinstance(stamp[0], int):
+                    raise ValueError("a stamp starts with its boundary in tokens")
             except (KeyError, ValueError):
                 self._skip(path, Reason.OFFLOAD_CORRUPT, delete=True)
                 continue
@@ -576,7 +623,11 @@ class TierStore:
         """Finish every copy (file writes included) and stop the worker."""
         self.release()
         self.flush()
-        self._executor.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless bytes per tier match their entries and fit the capacity,
@@ -610,7 +661,7 @@ def round_trip(tier: Tier, directory: Path | None, nbytes: int) -> None:
     if tier is Tier.HOST or directory is None:
         src.clone().clone()
         return
-    path = directory / f"calibration-{os.getpid()}-{threading.get_ident()}.tmp{FILE_SUFFIX}"
+    path = directory / f"calibration-{os.getpid()}-{threading.get_ident()}.probe"
     try:
         _write_file(path, {"x": src}, {"fingerprints": "{}"}, False)
         if isinstance(_read_file(path, {}), Reason):
@@ -621,7 +672,7 @@ def round_trip(tier: Tier, directory: Path | None, nbytes: int) -> None:
 
 def _write_file(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str], corrupt: bool) -> None:
     """Worker thread: write one tier file atomically (a temporary file renamed into place)."""
-    meta = {**metadata, "checksum": _digest(tensors)}
+    meta = {**metadata, "checksum": _digest(tensors, metadata)}
     data = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
@@ -648,7 +699,7 @@ def _read_file(path: Path, fingerprints: dict[str, str]) -> tuple[dict[str, Tens
         return Reason.OFFLOAD_CORRUPT
     if stored != fingerprints:
         return Reason.LAYOUT_MISMATCH
-    if meta.get("checksum") != _digest(tensors):
+    if meta.get("checksum") != _digest(tensors, meta):
         return Reason.OFFLOAD_CORRUPT
     return tensors, meta
 

@@ -36,7 +36,7 @@ def test_saved_checkpoint_round_trips_exactly(tmp_path: Path) -> None:
     with torch.no_grad():
         reference = model(torch.tensor(ids), torch.arange(70), model.new_dense_state())
     assert torch.equal(llm.prefill_logits(ids), reference)
-    assert llm.model_name == str(path) and llm.layout.revision == "test"
+    assert llm.model_name == str(path) and llm.layout.revision.startswith("test+")
 
 
 def test_revision_defaults_to_a_content_hash(tmp_path: Path) -> None:
@@ -49,6 +49,18 @@ def test_revision_defaults_to_a_content_hash(tmp_path: Path) -> None:
     tensors["norm.weight"] = tensors["norm.weight"] * 2
     save_file(tensors, str(path / "model.safetensors"))
     assert load_model(path, CPU).model.layout.revision != first  # other weights, other prefixes
+
+
+def test_a_declared_revision_still_tells_two_trainings_apart(tmp_path: Path) -> None:
+    """Retraining into the same folder keeps config.json's revision; stored state (the disk
+    tier survives restarts) must not be reused across the two weight sets."""
+    path, _ = saved(tmp_path)
+    first = load_model(path, CPU).model.layout.revision
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["norm.weight"] = tensors["norm.weight"] * 2
+    save_file(tensors, str(path / "model.safetensors"))
+    second = load_model(path, CPU).model.layout.revision
+    assert first.startswith("test+") and second.startswith("test+") and first != second
 
 
 def break_weights(path: Path, change) -> None:

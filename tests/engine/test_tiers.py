@@ -354,3 +354,57 @@ def test_block_events_and_engine_stats_cover_the_tiers() -> None:
     assert actions[(BlockAction.REMOVED, Tier.DEVICE)] >= moved  # the device copies went
     assert actions[(BlockAction.RESTORED, Tier.HOST)] > 0
     check_batch(EventBatch(schema_version=1, engine_id=llm.engine_id, seq=1, sent_at=1.0, events=sink.events))
+
+
+def test_a_prefetch_under_tier_pressure_keeps_its_entries_and_counts_against_the_cap() -> None:
+    """The prefetch's own allocations evict device blocks whose write-back makes room in a full
+    host tier: the entries it is about to read are reserved first, so they are not the ones
+    dropped. Its bytes are in flight (recovery cap) until committed."""
+    def config(host: int) -> CacheConfig:
+        return cfg(full_kv_blocks=10, linear_checkpoints=6, host_tier_bytes=host)
+
+    first, second = tokens(128, 31), tokens(128, 32)
+    follow_up = [*first, *tokens(5, 33)]
+    probe = LLM("qwen3_next-tiny", cache=config(64 << 20), cost_model=FAST)
+    probe.score(first)
+    probe.offload(Tier.HOST)
+    assert probe.cache.tiers is not None
+    exactly = probe.cache.tiers.used[Tier.HOST]  # a host tier just big enough for the first prompt
+    llm = LLM("qwen3_next-tiny", cache=config(exactly), check_invariants=True, cost_model=FAST)
+    llm.score(first)
+    llm.offload(Tier.HOST)
+    llm.score(second)  # the device pools are full of the second prompt
+    enqueued = llm.prefetch(follow_up)
+    assert enqueued > 0 and llm.cache.recovery.bytes_in_flight == enqueued
+    llm.cache.check_invariants()
+    out = assert_warm_equals_cold(llm, follow_up)
+    assert out.resume_tokens == 128 and llm.cache.recovery.bytes_in_flight == 0
+    assert_no_leases(llm)
+
+
+def test_a_swap_in_below_the_hash_hit_still_reports_its_bytes() -> None:
+    llm = LLM("qwen3_next-tiny", cache=cfg(checkpoint_interval_tokens=64), check_invariants=True, cost_model=FAST)
+    prefix = tokens(200, 35)
+    llm.score(prefix)
+    llm.offload(Tier.HOST)
+    out = assert_warm_equals_cold(llm, [*prefix[:150], *tokens(20, 36)])  # hash hit 144, checkpoint at 128
+    assert (out.resume_tokens, out.cache.hash_hit_tokens, out.cache.admission) == (128, 144, Admission.SWAP_IN)
+    for f in out.forms:  # they lost tokens past L*, so they stay invalidated, but the swap-in shows
+        assert f.outcome == Outcome.INVALIDATED and f.tier == Tier.HOST and f.bytes_moved > 0, f
+
+
+def test_one_engine_per_disk_tier_directory(tmp_path: Path) -> None:
+    first = LLM("qwen3_next-tiny", cache=cfg(tmp_path))
+    with pytest.raises(ValueError, match="in use by another engine"):
+        LLM("qwen3_next-tiny", cache=cfg(tmp_path))
+    first.close()
+    LLM("qwen3_next-tiny", cache=cfg(tmp_path)).close()  # free again after close
+
+
+def test_tier_misuse_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="no tier_bytes_per_second for the enabled host tier"):
+        LLM("qwen3_next-tiny", cache=cfg(), cost_model=CostModel(seconds_per_token=1e-3))
+    with pytest.raises(ValueError, match="not to the device"):
+        LLM("qwen3_next-tiny", cache=cfg(), cost_model=FAST).offload(Tier.DEVICE)
+    with pytest.raises(ValueError, match="seconds per object"):
+        CostModel(seconds_per_token=1e-3, tier_seconds_per_object={Tier.DISK: -1.0})
