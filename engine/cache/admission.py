@@ -97,20 +97,24 @@ class CostModel:
 
     @classmethod
     def measure(
-        cls, prefill: Callable[[int], None], tiers: Mapping[Tier, Path | None], round_trip: Callable[[Tier, Path | None, int], None]
+        cls, prefill: Callable[[int], None], tiers: Mapping[Tier, Path | None], round_trip: Callable[[Tier, Path | None, int], float]
     ) -> CostModel:
         """Fit ``a``, ``b`` and ``c`` (least squares, clamped at 0) on timed cold prefills of
-        :data:`CALIBRATION_TOKENS` (best of two each, after a warm-up), and time each enabled
-        tier's ``round_trip(tier, directory, nbytes)`` — the tier's own copy down and back up —
-        for one object of :data:`CALIBRATION_BYTES` (bandwidth) and for small objects (the
-        per-object cost). A disk read may be served by the page cache: an optimistic figure."""
-        def timed(fn: Callable[[], None]) -> float:
+        :data:`CALIBRATION_TOKENS` (best of two each, after a warm-up), and take each enabled
+        tier's ``round_trip(tier, directory, nbytes)`` — the seconds its own path needs to bring
+        one object back up (best of three) — for one object of :data:`CALIBRATION_BYTES`
+        (bandwidth) and for a small one (the per-object cost). Reads are timed one at a time
+        while swap-ins run on several threads: for many small files the prediction is high."""
+        def timed(fn: Callable[[], object]) -> float:
             best = float("inf")
             for _ in range(2):
                 t0 = time.perf_counter()
                 fn()
                 best = min(best, time.perf_counter() - t0)
             return best
+
+        def best_of(fn: Callable[[], float], runs: int = 3) -> float:
+            return min(fn() for _ in range(runs))
 
         prefill(CALIBRATION_TOKENS[0])  # warm-up
         times = [timed(functools.partial(prefill, n)) for n in CALIBRATION_TOKENS]
@@ -122,8 +126,8 @@ class CostModel:
         bandwidth: dict[Tier, float] = {}
         per_object: dict[Tier, float] = {}
         for tier, where in tiers.items():
-            small = timed(functools.partial(round_trip, tier, where, SMALL_OBJECT_BYTES))
-            large = timed(functools.partial(round_trip, tier, where, CALIBRATION_BYTES))
+            small = best_of(functools.partial(round_trip, tier, where, SMALL_OBJECT_BYTES))
+            large = best_of(functools.partial(round_trip, tier, where, CALIBRATION_BYTES))
             per_object[tier] = small
             bandwidth[tier] = (CALIBRATION_BYTES - SMALL_OBJECT_BYTES) / max(large - small, 1e-6)
         return cls(

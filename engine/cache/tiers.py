@@ -10,8 +10,8 @@ their copy (inclusive), so the next eviction of the same object copies nothing.
 
 Each copy is an entry that moves through the lifecycle table of :mod:`engine.cache.lifecycle`
 (``SWAPPING_OUT → OFFLOADED → SWAPPING_IN → OFFLOADED``; dropped: ``FREE``). Copies run on worker
-threads (one ``ThreadPoolExecutor`` writing files, one copying objects up; on CUDA a side stream
-as well) with per-entry fences:
+threads (one ``ThreadPoolExecutor`` writing files, one of :data:`READ_WORKERS` threads copying
+objects up; on CUDA a side stream as well) with per-entry fences:
 
 * copy-down: the source block is snapshotted into a staging buffer after every write to it
   (on CUDA the side stream waits for the compute stream, and the compute stream waits for the
@@ -65,6 +65,10 @@ FILE_FORMAT = "kvscope-tier-object/1"
 """``format`` in every tier file's header; files of another format are skipped."""
 
 FILE_SUFFIX = ".safetensors"
+
+READ_WORKERS = 4
+"""Threads copying objects up: disk reads of many small files wait on I/O latency, so several
+run at once (each into its own device block)."""
 
 LOCK_FILE = ".lock"
 """Held (``flock``) by the engine using a disk tier directory: one engine per directory."""
@@ -226,10 +230,10 @@ class TierStore:
         self.offloaded = Counter[Tier]()
         self.skipped = Counter[str]()
         """Files or copies refused, by reason (``offload_corrupt``, ``layout_mismatch``, ...)."""
-        # one worker writes files, another copies objects up: a swap-in held back (by the
+        # one worker writes files, others copy objects up: a swap-in held back (by the
         # read_during_swap_in fault, or a slow read) never holds a write-back up, and vice versa
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-tier-write")
-        self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-tier-read")
+        self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=READ_WORKERS, thread_name_prefix="kvscope-tier-read")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -654,18 +658,30 @@ class TierStore:
         )
 
 
-def round_trip(tier: Tier, directory: Path | None, nbytes: int) -> None:
-    """One object of ``nbytes`` copied down to ``tier`` and back up through the tier's own path
-    (host: two copies; disk: file written, read and verified), for the admission's calibration."""
+def round_trip(tier: Tier, directory: Path | None, nbytes: int) -> float:
+    """Copy one object of ``nbytes`` down to ``tier`` and time bringing it back up through the
+    tier's own path (host: a copy; disk: the file written and dropped from the OS page cache,
+    then read and verified); returns the seconds of the way up, for the admission's
+    calibration."""
     src = torch.zeros(nbytes, dtype=torch.uint8)
     if tier is Tier.HOST or directory is None:
-        src.clone().clone()
-        return
+        down = src.clone()
+        t0 = time.perf_counter()
+        down.clone()
+        return time.perf_counter() - t0
     path = directory / f"calibration-{os.getpid()}-{threading.get_ident()}.probe"
     try:
         _write_file(path, {"x": src}, {"fingerprints": "{}"}, False)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        t0 = time.perf_counter()
         if isinstance(_read_file(path, {}), Reason):
             raise RuntimeError(f"{path}: calibration file failed verification")
+        return time.perf_counter() - t0
     finally:
         path.unlink(missing_ok=True)
 
