@@ -217,7 +217,7 @@ class LLM:
 
     def prefetch(self, prompt: str | Sequence[int]) -> int:
         """Start swapping in from host or disk what a request with this prompt would reuse,
-        without waiting (the copies run on the tiers' worker; a later request waits for them or
+        without waiting (the copies run on the tiers' reader threads; a later request waits for them or
         resumes lower, per ``CacheConfig.swap_in_wait``). Returns the bytes enqueued (0 without
         tiers or when nothing needs a swap-in)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

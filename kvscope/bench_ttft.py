@@ -129,6 +129,7 @@ def disk_row(
         "kl": kl,
         "top1_agreement": agree,
         "admission": str(out.cache.admission),
+        "predicted_seconds": out.cache.predicted_seconds,
         "bytes_moved": sum(f.bytes_moved for f in out.forms),
     }
 

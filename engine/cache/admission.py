@@ -6,9 +6,10 @@ resume at a deeper L* that needs a swap-in from host or disk. A plan's price is
 
     prefill(start, T) + Σ_tier (swap-in bytes / tier bandwidth + objects · per-object cost),
 
-with ``prefill(s, T) = a·(T − s) + b·(T² − s²)/2`` seconds — ``a`` per token (projections,
+with ``prefill(s, T) = c·chunks + a·(T − s) + b·(T² − s²)/2`` seconds — ``a`` per token (projections,
 MLP, recurrent layers) and ``b`` per (token × context token) (attention reading its keys) —
-plus a fixed ``c`` per prefill, fitted on this device at start from timed cold prefills
+plus a fixed ``c`` per forward pass (the prefill runs in chunks that end at checkpoint
+positions), fitted on this device at start from timed cold prefills
 (:meth:`CostModel.measure`), and per tier a bandwidth and a per-object cost from timed round
 trips through the tier's own copy path. A global cap on recovery work
 in flight (swap-in bytes, replayed tokens) keeps a high hit rate from becoming a recovery storm:
@@ -38,7 +39,10 @@ CALIBRATION_BYTES = 4 << 20
 """Bytes copied to time each tier's bandwidth."""
 
 SMALL_OBJECT_BYTES = 4 << 10
-"""Bytes of the small object timed for each tier's per-object cost."""
+"""Bytes of the small objects timed for each tier's per-object cost."""
+
+SMALL_OBJECTS = 32
+"""How many small objects are brought up together (as a swap-in does) for that cost."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,7 +52,8 @@ class CostModel:
     Attributes:
         seconds_per_token: ``a``, the cost of one prompt token independent of its context.
         seconds_per_token_pair: ``b``, the cost of one (token, context token) pair.
-        seconds_per_request: ``c``, the fixed cost of a prefill (launches, bookkeeping).
+        seconds_per_chunk: ``c``, the fixed cost of one forward pass (kernel launches,
+            bookkeeping); a prefill runs in chunks ending at checkpoint positions.
         tier_bytes_per_second: read bandwidth of each lower tier (bytes/s).
         tier_seconds_per_object: fixed cost of swapping in one object from each tier (a file
             open, header parse and checksum; a hand-off to the copy worker).
@@ -56,15 +61,15 @@ class CostModel:
 
     seconds_per_token: float
     seconds_per_token_pair: float = 0.0
-    seconds_per_request: float = 0.0
+    seconds_per_chunk: float = 0.0
     tier_bytes_per_second: Mapping[Tier, float] = field(default_factory=dict)
     tier_seconds_per_object: Mapping[Tier, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.seconds_per_token <= 0 or self.seconds_per_token_pair < 0 or self.seconds_per_request < 0:
+        if self.seconds_per_token <= 0 or self.seconds_per_token_pair < 0 or self.seconds_per_chunk < 0:
             raise ValueError(
                 f"CostModel: per-token costs must be positive, got {self.seconds_per_token}, "
-                f"{self.seconds_per_token_pair}, {self.seconds_per_request}"
+                f"{self.seconds_per_token_pair}, {self.seconds_per_chunk}"
             )
         for tier, bw in self.tier_bytes_per_second.items():
             if bw <= 0:
@@ -73,10 +78,11 @@ class CostModel:
             if sec < 0:
                 raise ValueError(f"CostModel: {tier} seconds per object must be non-negative, got {sec}")
 
-    def prefill_seconds(self, start: int, end: int) -> float:
-        """Predicted seconds to prefill positions ``[start, end)`` after ``start`` cached ones."""
+    def prefill_seconds(self, start: int, end: int, chunks: int = 1) -> float:
+        """Predicted seconds to prefill positions ``[start, end)`` after ``start`` cached ones,
+        in ``chunks`` forward passes."""
         n = max(0, end - start)
-        return self.seconds_per_request + self.seconds_per_token * n + self.seconds_per_token_pair * (end * end - start * start) / 2
+        return self.seconds_per_chunk * chunks + self.seconds_per_token * n + self.seconds_per_token_pair * (end * end - start * start) / 2
 
     def swap_in_seconds(self, bytes_by_tier: Mapping[Tier, int], objects_by_tier: Mapping[Tier, int] | None = None) -> float:
         """Predicted seconds to copy these bytes (and objects) up from each tier.
@@ -97,14 +103,14 @@ class CostModel:
 
     @classmethod
     def measure(
-        cls, prefill: Callable[[int], None], tiers: Mapping[Tier, Path | None], round_trip: Callable[[Tier, Path | None, int], float]
+        cls, prefill: Callable[[int], None], tiers: Mapping[Tier, Path | None], round_trip: Callable[[Tier, Path | None, int, int], float]
     ) -> CostModel:
         """Fit ``a``, ``b`` and ``c`` (least squares, clamped at 0) on timed cold prefills of
         :data:`CALIBRATION_TOKENS` (best of two each, after a warm-up), and take each enabled
-        tier's ``round_trip(tier, directory, nbytes)`` — the seconds its own path needs to bring
-        one object back up (best of three) — for one object of :data:`CALIBRATION_BYTES`
-        (bandwidth) and for a small one (the per-object cost). Reads are timed one at a time
-        while swap-ins run on several threads: for many small files the prediction is high."""
+        tier's ``round_trip(tier, directory, nbytes, count)`` — the seconds per object its own
+        path needs to bring ``count`` objects back up together (best of three) — for one object
+        of :data:`CALIBRATION_BYTES` (bandwidth) and for :data:`SMALL_OBJECTS` small ones (the
+        per-object cost)."""
         def timed(fn: Callable[[], object]) -> float:
             best = float("inf")
             for _ in range(2):
@@ -126,14 +132,14 @@ class CostModel:
         bandwidth: dict[Tier, float] = {}
         per_object: dict[Tier, float] = {}
         for tier, where in tiers.items():
-            small = best_of(functools.partial(round_trip, tier, where, SMALL_OBJECT_BYTES))
-            large = best_of(functools.partial(round_trip, tier, where, CALIBRATION_BYTES))
+            small = best_of(functools.partial(round_trip, tier, where, SMALL_OBJECT_BYTES, SMALL_OBJECTS))
+            large = best_of(functools.partial(round_trip, tier, where, CALIBRATION_BYTES, 1))
             per_object[tier] = small
             bandwidth[tier] = (CALIBRATION_BYTES - SMALL_OBJECT_BYTES) / max(large - small, 1e-6)
         return cls(
             seconds_per_token=a,
             seconds_per_token_pair=b,
-            seconds_per_request=c,
+            seconds_per_chunk=c,
             tier_bytes_per_second=bandwidth,
             tier_seconds_per_object=per_object,
         )
@@ -196,15 +202,16 @@ def price(
     swap_bytes: Mapping[Tier, int],
     replay_tokens: int,
     swap_objects: Mapping[Tier, int] | None = None,
+    chunks: int = 1,
 ) -> Candidate:
-    """Price one plan: prefill from ``start`` plus the swap-in of ``swap_bytes`` (in
-    ``swap_objects`` objects) per tier."""
+    """Price one plan: prefill from ``start`` in ``chunks`` forward passes plus the swap-in of
+    ``swap_bytes`` (in ``swap_objects`` objects) per tier."""
     return Candidate(
         admission=admission,
         start_tokens=start,
         swap_bytes=dict(swap_bytes),
         replay_tokens=replay_tokens,
-        predicted_seconds=costs.prefill_seconds(start, prompt_tokens) + costs.swap_in_seconds(swap_bytes, swap_objects),
+        predicted_seconds=costs.prefill_seconds(start, prompt_tokens, chunks) + costs.swap_in_seconds(swap_bytes, swap_objects),
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -558,7 +559,7 @@ class PrefixCache:
         Tail-Replay, a deeper exact resume after swapping objects in from host or disk, and a
         cold prefill; each is priced with ``costs`` (None: prefer the deepest resume) and the
         cheapest one the recovery cap admits wins. A chosen swap-in runs here (copies on the
-        tiers' worker, waited for) and the plan is then made again on the device, so a copy that
+        tiers' reader threads, waited for) and the plan is then made again on the device, so a copy that
         fails verification lowers L* with its reason (``offload_corrupt``, ``layout_mismatch``)
         instead of feeding wrong bytes. A form a rejected deeper plan would have recovered
         reports ``admission_recompute_cheaper`` or ``recovery_cap_reached``.
@@ -576,13 +577,18 @@ class PrefixCache:
         kind = Admission.TAIL_REPLAY if device.replayed_tokens else (Admission.EXACT if device.resume_tokens else Admission.COLD)
         if kind is Admission.EXACT and any(f.outcome is Outcome.RECOVERED for f in device.forms):
             kind = Admission.SWAP_IN  # a prefetch brought its objects back
-        candidates = [price(model, kind, start, prompt_tokens, {}, device.replayed_tokens)]
+        chunks = functools.partial(self._chunks, prompt_tokens)
+        candidates = [price(model, kind, start, prompt_tokens, {}, device.replayed_tokens, chunks=chunks(device))]
         forced = self.config.tail_replay in ("on", "only") and self.recovery.admits(0, device.replayed_tokens)
         if exact is not device and not (device.replayed_tokens and forced):  # on / only: the paper's setting
-            candidates.append(price(model, Admission.EXACT if exact.resume_tokens else Admission.COLD, exact.resume_tokens, prompt_tokens, {}, 0))
+            kind_exact = Admission.EXACT if exact.resume_tokens else Admission.COLD
+            candidates.append(price(model, kind_exact, exact.resume_tokens, prompt_tokens, {}, 0, chunks=chunks(exact)))
         if swap is not None:
-            candidates.append(price(model, Admission.SWAP_IN, swap.plan.resume_tokens, prompt_tokens, swap.bytes_by_tier(), 0, swap.objects_by_tier()))
-        candidates.append(price(model, Admission.COLD, 0, prompt_tokens, {}, 0))
+            candidates.append(
+                price(model, Admission.SWAP_IN, swap.plan.resume_tokens, prompt_tokens, swap.bytes_by_tier(), 0, swap.objects_by_tier(), chunks(swap.plan))
+            )
+        cold_plan = dataclasses.replace(device, resume_tokens=0, replayed_tokens=0)
+        candidates.append(price(model, Admission.COLD, 0, prompt_tokens, {}, 0, chunks=chunks(cold_plan)))
         best, rejected = choose(candidates, self.recovery)
         predicted = best.predicted_seconds if costs is not None else 0.0
         why = {c.admission: Reason.RECOVERY_CAP_REACHED if how == "cap" else Reason.ADMISSION_RECOMPUTE_CHEAPER for c, how in rejected}
@@ -608,6 +614,18 @@ class PrefixCache:
             admission = Admission.LOWER_RESUME
         self.recovery.acquire(0, plan.replayed_tokens)
         return Admitted(plan=plan, admission=admission, predicted_seconds=predicted, held_replay_tokens=plan.replayed_tokens)
+
+    def _chunks(self, prompt_tokens: int, plan: ResumePlan) -> int:
+        """Forward passes a prefill of ``plan`` runs: chunks of at most
+        ``max_prefill_chunk_tokens`` that end at its checkpoint positions (as ``LLM._prefill``)."""
+        start = plan.resume_tokens - plan.replayed_tokens
+        cap = self.config.max_prefill_chunk_tokens
+        stops = sorted(p for p in self.checkpoint_positions(plan) if start < p < prompt_tokens)
+        count, at = 0, start
+        for stop in [*stops, prompt_tokens]:
+            count += -(-(stop - at) // cap)  # full chunks up to the next checkpoint
+            at = stop
+        return max(count, 1)
 
     def finish_recovery(self, admitted: Admitted) -> None:
         """Give back the recovery budget a request held while it recovered (Tail-Replay

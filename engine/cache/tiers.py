@@ -658,32 +658,38 @@ class TierStore:
         )
 
 
-def round_trip(tier: Tier, directory: Path | None, nbytes: int) -> float:
-    """Copy one object of ``nbytes`` down to ``tier`` and time bringing it back up through the
-    tier's own path (host: a copy; disk: the file written and dropped from the OS page cache,
-    then read and verified); returns the seconds of the way up, for the admission's
-    calibration."""
+def round_trip(tier: Tier, directory: Path | None, nbytes: int, count: int = 1) -> float:
+    """Copy ``count`` objects of ``nbytes`` down to ``tier`` and time bringing them back up
+    together through the tier's own path (host: copies; disk: files written and dropped from the
+    OS page cache, then read and verified on :data:`READ_WORKERS` threads); returns the seconds
+    per object of the way up, for the admission's calibration."""
     src = torch.zeros(nbytes, dtype=torch.uint8)
     if tier is Tier.HOST or directory is None:
-        down = src.clone()
+        down = [src.clone() for _ in range(count)]
         t0 = time.perf_counter()
-        down.clone()
-        return time.perf_counter() - t0
-    path = directory / f"calibration-{os.getpid()}-{threading.get_ident()}.probe"
+        for d in down:
+            d.clone()
+        return (time.perf_counter() - t0) / count
+    paths = [directory / f"calibration-{os.getpid()}-{threading.get_ident()}-{i}.probe" for i in range(count)]
     try:
-        _write_file(path, {"x": src}, {"fingerprints": "{}"}, False)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        t0 = time.perf_counter()
-        if isinstance(_read_file(path, {}), Reason):
-            raise RuntimeError(f"{path}: calibration file failed verification")
-        return time.perf_counter() - t0
+        for path in paths:
+            _write_file(path, {"x": src}, {"fingerprints": "{}"}, False)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=READ_WORKERS) as pool:
+            t0 = time.perf_counter()
+            results = list(pool.map(lambda p: _read_file(p, {}), paths))
+            seconds = time.perf_counter() - t0
+        if any(isinstance(r, Reason) for r in results):
+            raise RuntimeError(f"{directory}: a calibration file failed verification")
+        return seconds / count
     finally:
-        path.unlink(missing_ok=True)
+        for path in paths:
+            path.unlink(missing_ok=True)
 
 
 def _write_file(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str], corrupt: bool) -> None:
