@@ -121,7 +121,26 @@ class LLM:
         self.cache_config = cache or CacheConfig()
         self.engine_id = engine_id or default_engine_id()
         self.cache = PrefixCache.planned(self.layout, self.cache_config, self.model_name, self.device, torch.float32)
+        try:
+            self._finish_init(telemetry, check_invariants, block_events, faults, cost_model)
+        except BaseException:
+            if self.cache.tiers is not None:
+                self.cache.tiers.close()  # gives the disk tier's directory back
+            raise
+
+    def _finish_init(
+        self,
+        telemetry: str | EventSink | None,
+        check_invariants: bool,
+        block_events: bool,
+        faults: Faults | None,
+        cost_model: CostModel | None,
+    ) -> None:
         self.cache_config = self.cache.config  # block counts from the memory plan when budgeted
+        if cost_model is not None and self.cache.tiers is not None:
+            missing = [str(t) for t, on in self.cache.tiers.enabled.items() if on and t not in cost_model.tier_bytes_per_second]
+            if missing:
+                raise ValueError(f"cost_model has no tier_bytes_per_second for the enabled {' and '.join(missing)} tier")
         self._check_fits(prompt_tokens=1, max_tokens=0)
         self.cache.log_plan()
         self.sink: EventSink
@@ -138,10 +157,6 @@ class LLM:
                 self.cache.tiers.corrupt_writes = faults.corrupt_offloaded_file
                 if faults.read_during_swap_in:
                     self.cache.tiers.hold()
-        if cost_model is not None and self.cache.tiers is not None:
-            missing = [str(t) for t, on in self.cache.tiers.enabled.items() if on and t not in cost_model.tier_bytes_per_second]
-            if missing:
-                raise ValueError(f"cost_model has no tier_bytes_per_second for the enabled {' and '.join(missing)} tier")
         self.cost_model = cost_model
         self._needs_costs = cost_model is None and (self.cache.tiers is not None or self.cache_config.tail_replay != "off")
         if block_events:

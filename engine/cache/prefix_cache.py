@@ -253,11 +253,15 @@ class PrefixCache:
                 index=self.index,
                 device=device,
             )
-            self.tiers.attach(
-                [store for f in self.forms for store in f.stores()],
-                {name: fingerprint_text(c.layout) for name, c in self.contracts.items()},
-            )
-            self.tiers.rebuild()
+            try:
+                self.tiers.attach(
+                    [store for f in self.forms for store in f.stores()],
+                    {name: fingerprint_text(c.layout) for name, c in self.contracts.items()},
+                )
+                self.tiers.rebuild()
+            except BaseException:
+                self.tiers.close()  # gives the directory back
+                raise
 
     @property
     def has_checkpoint_forms(self) -> bool:
@@ -672,9 +676,10 @@ class PrefixCache:
                 except PoolExhausted:  # the device pools cannot take the whole unit
                     failures.setdefault(form, Reason.RECOVERY_CAP_REACHED)
                     break
-                pending.pop(0)
                 leased.append((pool, block))
-                swaps.append((form, self.tiers.copy_in(pool, entry, block)))
+                swap_in = self.tiers.copy_in(pool, entry, block)  # may raise: the entry is still pending
+                pending.pop(0)
+                swaps.append((form, swap_in))
             self.tiers.release()
             concurrent.futures.wait([s.future for _, s in swaps])
             while swaps:
@@ -748,9 +753,21 @@ class PrefixCache:
         for _, entry in reserved:
             self.tiers.begin_swap_in(entry)
         self.recovery.acquire(nbytes, 0)
-        for pool, entry in reserved:
-            block = pool.allocate()
-            self._prefetched.append(self.tiers.copy_in(pool, entry, block))
+        started = 0
+        try:
+            for pool, entry in reserved:
+                block = pool.allocate()
+                try:
+                    self._prefetched.append(self.tiers.copy_in(pool, entry, block))
+                except BaseException:
+                    pool.release(block)
+                    raise
+                started += 1
+        except BaseException:
+            for _, entry in reserved[started:]:  # never copied: intact, and their bytes not in flight
+                self.tiers.cancel_swap_in(entry)
+                self.recovery.release(entry.nbytes, 0)
+            raise
         return nbytes
 
     def _commit_prefetched(self) -> None:

@@ -42,6 +42,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -205,6 +206,8 @@ class TierStore:
                     f"disk tier directory {disk_dir} is in use by another engine; give each engine its own "
                     "CacheConfig.disk_tier_dir"
                 ) from None
+            # an engine dropped without close() gives the directory back when collected
+            self._unlock = weakref.finalize(self, os.close, self._lock)
         self.index = index
         self.device = device
         self.corrupt_writes = False
@@ -408,9 +411,10 @@ class TierStore:
                 continue
             entry.fence = None
             error = fence.exception()
-            if self.entries.get((entry.pool, entry.block_hash)) is not entry:  # dropped meanwhile
-                if entry.path is not None:
-                    entry.path.unlink(missing_ok=True)  # the file landed after the drop
+            live = self.entries.get((entry.pool, entry.block_hash))
+            if live is not entry:  # dropped meanwhile: its file landed after the drop
+                if entry.path is not None and (live is None or live.path != entry.path):
+                    entry.path.unlink(missing_ok=True)  # (a newer copy under the same name keeps it)
                 continue
             state = self.states[entry.row]
             if error is not None:
@@ -576,6 +580,8 @@ class TierStore:
         if self.disk_dir is None or not self.capacity[Tier.DISK]:
             return 0
         found = 0
+        for partial in self.disk_dir.glob("*.tmp"):  # a write cut short by a crash (the directory is ours: locked)
+            partial.unlink(missing_ok=True)
         stamped = []
         for path in self.disk_dir.glob(f"*{FILE_SUFFIX}"):
             with contextlib.suppress(FileNotFoundError):  # removed meanwhile
@@ -630,7 +636,7 @@ class TierStore:
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         if self._lock is not None:
-            os.close(self._lock)  # releases the flock
+            self._unlock()  # closes the descriptor: releases the flock
             self._lock = None
 
     def check_invariants(self) -> None:
@@ -677,7 +683,8 @@ def round_trip(tier: Tier, directory: Path | None, nbytes: int, count: int = 1) 
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                if hasattr(os, "posix_fadvise"):  # Linux: read from the disk, not the page cache
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
         with concurrent.futures.ThreadPoolExecutor(max_workers=READ_WORKERS) as pool:

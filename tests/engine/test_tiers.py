@@ -5,6 +5,8 @@ reason; output always equals a cold run."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+import engine.cache.tiers as tiers_module
 from engine import LLM, CacheConfig
 from engine.cache.admission import CostModel
 from engine.events import (
@@ -408,3 +411,49 @@ def test_tier_misuse_is_refused_clearly() -> None:
         LLM("qwen3_next-tiny", cache=cfg(), cost_model=FAST).offload(Tier.DEVICE)
     with pytest.raises(ValueError, match="seconds per object"):
         CostModel(seconds_per_token=1e-3, tier_seconds_per_object={Tier.DISK: -1.0})
+
+
+def test_a_failed_engine_start_gives_the_disk_tier_directory_back(tmp_path: Path) -> None:
+    host_only = CostModel(seconds_per_token=1e-3, tier_bytes_per_second={Tier.HOST: 1e12})
+    with pytest.raises(ValueError, match="enabled disk tier"):
+        LLM("qwen3_next-tiny", cache=cfg(tmp_path), cost_model=host_only)
+    LLM("qwen3_next-tiny", cache=cfg(tmp_path), cost_model=FAST).close()  # not held by the failed one
+
+
+def test_a_late_write_of_a_dropped_copy_keeps_the_newer_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy being moved to disk fails its swap-in (dropped meanwhile) while its file write is
+    still running; the object is copied down again under the same file name. The first write's
+    completion must not delete the second copy's file."""
+    llm = LLM("qwen3_next-tiny", cache=cfg(tmp_path), cost_model=FAST)
+    llm.score(tokens(128, 41))
+    tiers = llm.cache.tiers
+    assert tiers is not None
+    pool = llm.cache.kv_forms[0].pool
+    h, block = next(iter(pool.cached_blocks.items()))
+    slow_once = threading.Event()
+    write = tiers_module._write_file
+
+    def slow_first_write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], corrupt: bool) -> None:
+        if not slow_once.is_set():
+            slow_once.set()
+            time.sleep(0.5)
+        write(path, tensors, meta, corrupt)
+
+    monkeypatch.setattr(tiers_module, "_write_file", slow_first_write)
+    assert tiers.offload_now(pool, block, h, Tier.HOST) and tiers.offload_now(pool, block, h, Tier.DISK)
+    entry = tiers.readable(pool.name, h)
+    assert entry is not None and entry.fence is not None  # readable from memory while its file is written
+    tiers.begin_swap_in(entry)
+    target = pool.allocate()
+    swap = tiers.copy_in(pool, entry, target)
+    swap.future.result()
+    tiers.drop(pool.name, h)  # declared wrong meanwhile
+    assert tiers.finish_swap_in(swap) == Reason.EPOCH_CHANGED
+    pool.release(target)
+    assert tiers.offload_now(pool, block, h, Tier.DISK)  # the same object again, the same file name
+    newer = tiers.entries[(pool.name, h)]
+    assert newer is not entry and newer.path == entry.path
+    tiers.flush()
+    assert tiers.readable(pool.name, h) is newer and newer.path is not None and newer.path.exists()
+    tiers.check_invariants()
+    llm.close()
