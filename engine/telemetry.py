@@ -7,6 +7,13 @@ a per-engine monotonic ``seq`` (DESIGN.md §5; it starts from the wall clock in 
 it keeps increasing across restarts of an engine that keeps its id) and posts it as msgpack to ``POST /v1/events``,
 retrying connection failures and 5xx answers with capped exponential backoff. A batch the agent
 rejects (4xx) is not retried: it is counted and logged with the agent's reason.
+
+With a spool (``spool_path``, :mod:`engine.spool`), a batch the agent cannot take after its
+retries — and every batch while the in-memory queue is over its high-water mark — is appended to
+the spool file instead of being dropped; spooled batches are re-sent oldest first (with their
+original ``seq``, so a batch the agent stored but did not acknowledge is a counted duplicate, never
+stored twice) as soon as the agent answers again, and new batches queue behind them so the order
+is kept. Events are dropped only when the spool's disk budget is exhausted, and then loudly.
 """
 
 from __future__ import annotations
@@ -15,11 +22,16 @@ import logging
 import queue
 import threading
 import time
-from typing import Protocol
+from pathlib import Path
+from typing import Literal, Protocol
 
 import httpx
 
 from engine.events import SCHEMA_VERSION, Event, EventBatch, encode_batch
+from engine.spool import Spool
+
+SPOOL_RETRIES = 3
+"""Attempts per batch before it goes to the spool (without a spool: ``max_retries``)."""
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +86,15 @@ class TelemetryClient:
         batch_max_events / batch_max_seconds: a batch is sent when it holds this many events or
             its oldest event is this old.
         max_retries: attempts per batch for connection errors and 5xx answers (backoff doubles
-            from 0.1 s up to 2 s).
+            from 0.1 s up to 2 s) when there is no spool; with one, :data:`SPOOL_RETRIES`.
         token: optional bearer token for the agent.
+        spool_path: the spool file (None: no spool; undeliverable batches are dropped, counted).
+        spool_max_bytes: the spool's disk budget.
+        high_water_events: queue depth from which batches go to the spool directly (default
+            three quarters of ``max_queue_events``).
+
+    Raises:
+        ValueError: a non-positive limit, or a spool path that cannot be opened.
     """
 
     def __init__(
@@ -89,6 +108,9 @@ class TelemetryClient:
         max_retries: int = 8,
         timeout_seconds: float = 10.0,
         token: str | None = None,
+        spool_path: Path | None = None,
+        spool_max_bytes: int = 256 << 20,
+        high_water_events: int | None = None,
     ) -> None:
         if max_queue_events <= 0 or batch_max_events <= 0 or batch_max_seconds <= 0:
             raise ValueError("telemetry queue and batch limits must be positive")
@@ -114,6 +136,14 @@ class TelemetryClient:
         self.rejected_batches = 0
         self.rejected_events = 0
         self.failed_batches = 0
+        self.spooled_events = 0
+        self.replayed_events = 0
+        self.spool: Spool | None = Spool(spool_path, spool_max_bytes) if spool_path is not None else None
+        self.high_water_events = high_water_events if high_water_events is not None else max_queue_events * 3 // 4
+        self._retry_at = 0.0
+        self._backoff = 0.1
+        if self.spool:
+            log.info("telemetry spool %s holds %d bytes from an earlier run: re-sending them first", spool_path, self.spool.pending_bytes)
         self._thread = threading.Thread(target=self._run, name="kvscope-telemetry", daemon=True)
         self._thread.start()
 
@@ -146,8 +176,12 @@ class TelemetryClient:
         return True
 
     def close(self, timeout_seconds: float | None = 30.0) -> None:
-        """Flush, stop the sender and close the HTTP client."""
+        """Flush, give the spool the rest of ``timeout_seconds`` to drain to the agent (what is
+        left stays on disk for the next run), stop the sender and close the HTTP client."""
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         self.flush(timeout_seconds)
+        while self.spool and self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.02)
         self._stop.set()
         self._thread.join(timeout_seconds)
         self._http.close()
@@ -166,8 +200,9 @@ class TelemetryClient:
 
     def _run(self) -> None:
         while not (self._stop.is_set() and self._queue.empty()):
+            self._replay()
             try:
-                first = self._queue.get(timeout=0.1)
+                first = self._queue.get(timeout=0.05 if self.spool else 0.1)
             except queue.Empty:
                 continue
             events = [first]
@@ -181,37 +216,94 @@ class TelemetryClient:
                 except queue.Empty:
                     break
             try:
-                self._send(events)
+                self._deliver(events)
             finally:
                 self._settle(len(events))
+        if self.spool is not None:
+            self.spool.close()
 
-    def _send(self, events: list[Event]) -> None:
+    def _deliver(self, events: list[Event]) -> None:
         batch = EventBatch(
             schema_version=SCHEMA_VERSION, engine_id=self.engine_id, seq=self._seq, sent_at=time.time(), events=events
         )
         self._seq += 1
         body = encode_batch(batch, "msgpack")
+        if self.spool is not None and (
+            self.spool or self._queue.qsize() >= self.high_water_events or time.monotonic() < self._retry_at
+        ):
+            self._to_spool(body, len(events))  # behind the backlog, the queue too deep, or the agent down
+            return
+        outcome = self._post(body, batch.seq, len(events), SPOOL_RETRIES if self.spool is not None else self.max_retries)
+        if outcome == "sent":
+            self.sent_events += len(events)
+            self.sent_batches += 1
+        elif outcome == "unreachable":
+            if self.spool is not None:
+                self._to_spool(body, len(events))
+                self._retry_at = time.monotonic() + self._backoff
+            else:
+                self.failed_batches += 1
+                self.dropped_events += len(events)
+                log.error("telemetry batch seq=%d dropped after %d attempts (%d events)", batch.seq, self.max_retries, len(events))
+
+    def _to_spool(self, body: bytes, events: int) -> None:
+        assert self.spool is not None
+        if self.spool.append(body, events):
+            self.spooled_events += events
+            return
+        self.failed_batches += 1
+        self.dropped_events += events
+        log.error(
+            "telemetry spool %s is full (%d bytes): %d events DROPPED (%d so far)",
+            self.spool.path,
+            self.spool.max_bytes,
+            events,
+            self.dropped_events,
+        )
+
+    def _replay(self) -> None:
+        """Re-send spooled batches, oldest first, while the agent takes them (at most ~50 ms per
+        call, so new events keep flowing into the spool behind them)."""
+        if self.spool is None or time.monotonic() < self._retry_at:
+            return
+        until = time.monotonic() + 0.05
+        while self.spool and time.monotonic() < until:
+            record = self.spool.peek()
+            if record is None:
+                return
+            body, events = record
+            outcome = self._post(body, None, events, 1)
+            if outcome == "unreachable":
+                self._retry_at = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, 2.0)
+                return
+            self._backoff = 0.1
+            self.spool.pop()
+            if outcome == "sent":
+                self.replayed_events += events
+                self.sent_events += events
+                self.sent_batches += 1
+
+    def _post(self, body: bytes, seq: int | None, events: int, attempts: int) -> Literal["sent", "rejected", "unreachable"]:
+        """POST one encoded batch: ``sent`` (stored or a duplicate), ``rejected`` (4xx: counted,
+        logged, never retried) or ``unreachable`` (connection errors / 5xx after ``attempts``)."""
         delay = 0.1
-        for attempt in range(1, self.max_retries + 1):
+        for attempt in range(1, attempts + 1):
             try:
                 resp = self._http.post(self.url, content=body)
             except httpx.HTTPError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
             else:
                 if resp.status_code < 300:
-                    self.sent_events += len(events)
-                    self.sent_batches += 1
-                    return
+                    return "sent"
                 if resp.status_code < 500:
                     self.rejected_batches += 1
-                    self.rejected_events += len(events)
-                    log.error("agent rejected batch seq=%d (%d events): %s", batch.seq, len(events), resp.text[:500])
-                    return
+                    self.rejected_events += events
+                    log.error("agent rejected batch seq=%s (%d events): %s", seq, events, resp.text[:500])
+                    return "rejected"
                 reason = f"HTTP {resp.status_code}"
-            if attempt < self.max_retries and not self._stop.is_set():
+            if attempt < attempts and not self._stop.is_set():
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-            log.warning("telemetry batch seq=%d attempt %d failed: %s", batch.seq, attempt, reason)
-        self.failed_batches += 1
-        self.dropped_events += len(events)
-        log.error("telemetry batch seq=%d dropped after %d attempts (%d events)", batch.seq, self.max_retries, len(events))
+            log.warning("telemetry batch seq=%s attempt %d failed: %s", seq, attempt, reason)
+        return "unreachable"

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -69,16 +70,22 @@ def run_replay(
     engine_id: str,
     console: Console,
     stop: threading.Event | None = None,
+    spool_dir: Path | None = None,
 ) -> ReplayRun:
     """Replay ``requests`` through a fresh engine, showing progress on ``console``.
 
-    With ``agent_url`` the engine's events go to that agent; the telemetry is flushed before
-    this returns, and ``lost_events`` counts the events dropped or rejected on the way.
+    With ``agent_url`` the engine's events go to that agent (through a spool file under
+    ``spool_dir`` while the agent cannot take them); the telemetry is flushed before this
+    returns, and ``lost_events`` counts the events dropped or rejected on the way.
 
     Raises:
         ValueError: an unknown model or a cache configuration the model cannot use.
     """
-    llm = LLM(model, cache=cache, telemetry=agent_url, engine_id=engine_id)
+    sink: TelemetryClient | None = None
+    if agent_url is not None:  # events the agent cannot take yet wait in <spool_dir>/<engine id>.spool
+        spool = spool_dir / f"{engine_id}.spool" if spool_dir is not None else None
+        sink = TelemetryClient(agent_url, engine_id, spool_path=spool)
+    llm = LLM(model, cache=cache, telemetry=sink, engine_id=engine_id)
     console.print(llm.cache.memory_plan().render(), markup=False, highlight=False)
     total = min(len(requests), config.max_requests or len(requests))
     rolling = _RollingRate()

@@ -111,6 +111,7 @@ def run_up(opts: UpOptions) -> int:
             engine_id=new_engine_id(),
             console=err,
             stop=stop,
+            spool_dir=opts.data_dir / "spool",
         )
         summary, consistent = stored_summary(agent_url, run, err)
         if summary is None:
