@@ -441,35 +441,20 @@ class LLM:
         per (form, lower tier) holding objects (bytes and object counts)."""
         ts = time.time() if ts is None else ts
         in_flight = self.cache.recovery.in_flight
-        for form, tier, nbytes, objects in self.cache.tier_occupancy():
-            self.sink.emit(
-                EngineStats(
-                    ts=ts,
-                    engine_id=self.engine_id,
-                    model=self.model_name,
-                    form=form,
-                    tier=tier,
-                    used_bytes=nbytes,
-                    used_blocks=objects,
-                    cached_blocks=objects,
-                    free_blocks=0,
-                    total_blocks=objects,
-                    recoveries_in_flight=in_flight,
-                )
-            )
-        for occ in self.cache.occupancy():
+        for occ in [*self.cache.occupancy(), *self.cache.tier_occupancy()]:
             self.sink.emit(
                 EngineStats(
                     ts=ts,
                     engine_id=self.engine_id,
                     model=self.model_name,
                     form=occ.form,
-                    tier=Tier.DEVICE,
+                    tier=occ.tier,
                     used_bytes=occ.used_bytes,
                     used_blocks=occ.used_blocks,
                     cached_blocks=occ.cached_blocks,
                     free_blocks=occ.free_blocks,
                     total_blocks=occ.total_blocks,
+                    recoveries_in_flight=in_flight,
                 )
             )
 

@@ -134,6 +134,11 @@ class BlockPool:
         a lower tier (a swap-in away)."""
         return h in self._cached or self.lower_entry(h) is not None
 
+    def presence(self) -> Callable[[BlockHash], bool]:
+        """:meth:`present` for scans over many hashes: the hash map's own membership test
+        outside tier view (no call per hash into the tiers)."""
+        return self.present if self.tier_view and self.tiers is not None else self._cached.__contains__
+
     def lower_entry(self, h: BlockHash) -> object | None:
         """In tier view, the lower-tier entry under ``h`` when no device block caches it."""
         if not self.tier_view or self.tiers is None or h in self._cached:

@@ -164,7 +164,7 @@ class PagedKVForm:
         u = self.unit_tokens
         if self.window is None:
             def scan(needed: int) -> int:
-                found = list(map(self.pool.present, hashes[:needed]))
+                found = list(map(self.pool.presence(), hashes[:needed]))
                 return found.index(False) if False in found else len(found)
 
             return self.scan.present(hashes, limit_tokens // u, scan) * u

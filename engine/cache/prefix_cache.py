@@ -73,6 +73,7 @@ class FormOccupancy:
     leased and cached (published), and blocks an allocation could take (empty or evictable)."""
 
     form: Form
+    tier: Tier
     used_blocks: int
     leased_blocks: int
     cached_blocks: int
@@ -395,23 +396,39 @@ class PrefixCache:
             if spacing > 8 * self.unit_tokens:
                 log.warning("cache form %s resumes only every %d tokens (> 8·U, U = %d)", form, spacing, self.unit_tokens)
 
-    def tier_occupancy(self) -> list[tuple[Form, Tier, int, int]]:
-        """Per (form, lower tier) holding anything: (form, tier, bytes, objects)."""
+    def tier_occupancy(self) -> list[FormOccupancy]:
+        """Per (form, lower tier) holding anything: its objects (all cached, none leased) and
+        their bytes."""
         if self.tiers is None:
             return []
         form_of = {pool.name: form for form, pool, *_ in self.pool_entries()}
-        totals: dict[tuple[Form, Tier], list[int]] = {}
+        totals: Counter[tuple[Form, Tier]] = Counter()
+        sizes: Counter[tuple[Form, Tier]] = Counter()
         for entry in self.tiers.entries.values():
-            slot = totals.setdefault((form_of[entry.pool], entry.tier), [0, 0])
-            slot[0] += entry.nbytes
-            slot[1] += 1
-        return [(form, tier, b, n) for (form, tier), (b, n) in sorted(totals.items())]
+            key = (form_of[entry.pool], entry.tier)
+            totals[key] += 1
+            sizes[key] += entry.nbytes
+        return [
+            FormOccupancy(
+                form=form,
+                tier=tier,
+                used_blocks=n,
+                leased_blocks=0,
+                cached_blocks=n,
+                free_blocks=0,
+                total_blocks=n,
+                bytes_per_block=sizes[form, tier] // n,
+                used_bytes=sizes[form, tier],
+            )
+            for (form, tier), n in sorted(totals.items())
+        ]
 
     def occupancy(self) -> list[FormOccupancy]:
         per_pool = {p.name: p.bytes_per_block for p in self.pool_plans()}
         return [
             FormOccupancy(
                 form=f.form,
+                tier=Tier.DEVICE,
                 used_blocks=max(p.num_holding for p in f.pools),
                 leased_blocks=max(p.num_leased for p in f.pools),
                 cached_blocks=max(p.num_cached for p in f.pools),
@@ -582,27 +599,30 @@ class PrefixCache:
         if kind is Admission.EXACT and any(f.outcome is Outcome.RECOVERED for f in device.forms):
             kind = Admission.SWAP_IN  # a prefetch brought its objects back
         chunks = functools.partial(self._chunks, prompt_tokens)
-        candidates = [price(model, kind, start, prompt_tokens, {}, device.replayed_tokens, chunks=chunks(device))]
+        # each candidate with the plan it starts (None for the cold prefill, built if chosen)
+        options: list[tuple[Candidate, ResumePlan | None]] = [
+            (price(model, kind, start, prompt_tokens, {}, device.replayed_tokens, chunks=chunks(device)), device)
+        ]
         forced = self.config.tail_replay in ("on", "only") and self.recovery.admits(0, device.replayed_tokens)
         if exact is not device and not (device.replayed_tokens and forced):  # on / only: the paper's setting
             kind_exact = Admission.EXACT if exact.resume_tokens else Admission.COLD
-            candidates.append(price(model, kind_exact, exact.resume_tokens, prompt_tokens, {}, 0, chunks=chunks(exact)))
+            options.append((price(model, kind_exact, exact.resume_tokens, prompt_tokens, {}, 0, chunks=chunks(exact)), exact))
+        swap_option: Candidate | None = None
         if swap is not None:
-            candidates.append(
-                price(model, Admission.SWAP_IN, swap.plan.resume_tokens, prompt_tokens, swap.bytes_by_tier(), 0, swap.objects_by_tier(), chunks(swap.plan))
+            swap_option = price(
+                model, Admission.SWAP_IN, swap.plan.resume_tokens, prompt_tokens, swap.bytes_by_tier(), 0, swap.objects_by_tier(), chunks(swap.plan)
             )
+            options.append((swap_option, swap.plan))
         cold_plan = dataclasses.replace(device, resume_tokens=0, replayed_tokens=0)
-        candidates.append(price(model, Admission.COLD, 0, prompt_tokens, {}, 0, chunks=chunks(cold_plan)))
-        best, rejected = choose(candidates, self.recovery)
+        options.append((price(model, Admission.COLD, 0, prompt_tokens, {}, 0, chunks=chunks(cold_plan)), None))
+        best, rejected = choose([c for c, _ in options], self.recovery)
         predicted = best.predicted_seconds if costs is not None else 0.0
         why = {c.admission: Reason.RECOVERY_CAP_REACHED if how == "cap" else Reason.ADMISSION_RECOMPUTE_CHEAPER for c, how in rejected}
 
-        if best.admission is Admission.SWAP_IN and swap is not None:
+        if best is swap_option and swap is not None:
             plan = self._run_swap_in(hashes, prompt_tokens, output_tokens, vetoes, swap, device, best)
             return Admitted(plan=plan, admission=Admission.SWAP_IN, predicted_seconds=predicted)
-        chosen: ResumePlan | None = device if best is candidates[0] else None
-        if chosen is None and best.admission is not Admission.COLD and best.start_tokens == exact.resume_tokens:
-            chosen = exact
+        chosen = next(p for c, p in options if c is best)
         if chosen is None:  # cold: nothing reused
             cold = dict.fromkeys((f.form for f in self.forms), Reason.ADMISSION_RECOMPUTE_CHEAPER)
             chosen = self.lookup(hashes, prompt_tokens, cold, output_tokens=output_tokens, replay=False)
@@ -801,7 +821,7 @@ class PrefixCache:
                     found[f.form] = (Tier.DISK if Tier.DISK in (tier, got[0]) else Tier.HOST, b + got[1], max(sec, got[2]))
         if not found:
             return plan
-        prior = {f.form: dataclasses.replace(f, reason=_missing_reason(f.form)) for f in plan.forms}
+        prior = {f.form: dataclasses.replace(f, reason=_MISSING[f.form]) for f in plan.forms}
         return _mark_recovered(plan, dataclasses.replace(plan, forms=tuple(prior.values())), found)
 
     def offload_all(self, tier: Tier, *, evict: bool = True) -> int:
@@ -1127,7 +1147,7 @@ class PrefixCache:
             assert total <= self.budget[0], f"the pools take {total} bytes, over the {self.budget[0]}-byte budget"
 
 
-_MISSING = {
+_MISSING = {  # why a form's device copy was missing when a lower tier had to supply it
     Form.FULL_KV: Reason.KV_EVICTED,
     Form.SWA_WINDOW: Reason.SWA_EVICTED,
     Form.COMPRESSED_KV: Reason.COMPRESSED_EVICTED,
@@ -1135,11 +1155,6 @@ _MISSING = {
     Form.INDEXER_STATE: Reason.INDEXER_STALE,
     Form.LINEAR_STATE: Reason.LINEAR_CHECKPOINT_MISSING,
 }
-
-
-def _missing_reason(form: Form) -> Reason:
-    """Why a form's device copy was missing when a lower tier had to supply it."""
-    return _MISSING[form]
 
 
 def _relabel(plan: ResumePlan, reasons: Mapping[Form, Reason]) -> ResumePlan:
@@ -1170,7 +1185,7 @@ def _mark_recovered(plan: ResumePlan, before: ResumePlan, moved: Mapping[Form, t
             f = dataclasses.replace(f, tier=tier, bytes_moved=nbytes, recovery_seconds=seconds)
             if f.outcome is Outcome.HIT:  # one that still lost tokens past L* stays invalidated, with its bytes
                 prior = before.form(f.form).reason
-                reason = prior if prior not in (Reason.NONE, Reason.NO_PREFIX_MATCH, Reason.PROMPT_END) else _missing_reason(f.form)
+                reason = prior if prior not in (Reason.NONE, Reason.NO_PREFIX_MATCH, Reason.PROMPT_END) else _MISSING[f.form]
                 f = dataclasses.replace(f, outcome=Outcome.RECOVERED, reason=reason)
         forms.append(f)
     return dataclasses.replace(plan, forms=tuple(forms))

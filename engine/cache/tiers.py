@@ -265,12 +265,6 @@ class TierStore:
         entry = self.entries.get((pool, h))
         return entry is not None and self.states[entry.row] in (BlockState.SWAPPING_IN, BlockState.SWAPPING_OUT)
 
-    def bytes_by_tier(self) -> dict[Tier, int]:
-        return dict(self.used)
-
-    def entries_by_pool(self, tier: Tier) -> Counter[str]:
-        return Counter(e.pool for e in self._lru[tier])
-
     # -- copy down -------------------------------------------------------------------------------
     def offload(self, pool: BlockPool, block: int, h: BlockHash) -> None:
         """Copy the object of a cached ``block`` down (called just before the block is reused).
@@ -281,18 +275,7 @@ class TierStore:
             if not entry.doomed and self.states[entry.row] is BlockState.OFFLOADED:
                 self._lru[entry.tier].move_to_end(entry)
             return
-        reg = self._pools[pool.name]
-        nbytes = sum(t.tensor[block].numel() * t.tensor.element_size() for t in reg.store.tensors)
-        tier = next((t for t in (Tier.HOST, Tier.DISK) if self._make_room(t, nbytes)), None)
-        if tier is None:
-            return
-        staging = {t.name: self._stage(t.tensor[block]) for t in reg.store.tensors}
-        entry = self._new_entry(pool.name, h, tier, reg.store.stamp(block), nbytes, staging)
-        self.offloaded[tier] += 1
-        if tier is Tier.HOST:
-            self._publish(entry)
-        else:
-            self._write(entry)
+        self._copy_down(pool, block, h, (Tier.HOST, Tier.DISK))
 
     def offload_now(self, pool: BlockPool, block: int, h: BlockHash, tier: Tier) -> bool:
         """Copy a cached block's object straight to ``tier`` (an explicit offload; the device copy
@@ -308,9 +291,15 @@ class TierStore:
                 self._demote(entry)
                 return True
             return False
+        return self._copy_down(pool, block, h, (tier,))
+
+    def _copy_down(self, pool: BlockPool, block: int, h: BlockHash, tiers: tuple[Tier, ...]) -> bool:
+        """Snapshot ``block`` into a new entry of the first of ``tiers`` with room for it: a host
+        entry is readable at once, a disk entry once its file is written. False when none fits."""
         reg = self._pools[pool.name]
         nbytes = sum(t.tensor[block].numel() * t.tensor.element_size() for t in reg.store.tensors)
-        if not self._make_room(tier, nbytes):
+        tier = next((t for t in tiers if self._make_room(t, nbytes)), None)
+        if tier is None:
             return False
         staging = {t.name: self._stage(t.tensor[block]) for t in reg.store.tensors}
         entry = self._new_entry(pool.name, h, tier, reg.store.stamp(block), nbytes, staging)

@@ -59,6 +59,11 @@ def client(agent: FlakyAgent, spool: Path, **kwargs: object) -> TelemetryClient:
     return c
 
 
+def emit(c: TelemetryClient, ids: range) -> None:
+    for i in ids:
+        c.emit(stats(i))
+
+
 def wait_until(condition: object, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():  # type: ignore[operator]
@@ -70,13 +75,11 @@ def test_an_unreachable_agent_gets_every_event_later_exactly_once_in_order(tmp_p
     agent = FlakyAgent()
     agent.down.set()
     c = client(agent, tmp_path / "e.spool")
-    for i in range(50):
-        c.emit(stats(i))
+    emit(c, range(50))
     assert c.flush(timeout_seconds=10)
     assert c.spooled_events == 50 and c.dropped_events == 0 and not agent.batches
     assert c.spool is not None and c.spool.pending_bytes > 0
-    for i in range(50, 80):  # new events while the backlog waits: they queue behind it
-        c.emit(stats(i))
+    emit(c, range(50, 80))  # new events while the backlog waits: they queue behind it
     assert c.flush(timeout_seconds=10)
     agent.down.clear()
     wait_until(lambda: c.spool is not None and not c.spool)
@@ -90,15 +93,13 @@ def test_a_restarted_engine_resends_the_previous_runs_spool_first(tmp_path: Path
     agent = FlakyAgent()
     agent.down.set()
     first = client(agent, tmp_path / "e.spool")
-    for i in range(25):
-        first.emit(stats(i))
+    emit(first, range(25))
     assert first.flush(timeout_seconds=10)
     first.close(timeout_seconds=0.2)  # the agent is still down: the spool stays on disk
     assert first.spooled_events == 25
     agent.down.clear()
     second = client(agent, tmp_path / "e.spool")
-    for i in range(25, 40):
-        second.emit(stats(i))
+    emit(second, range(25, 40))
     second.flush(timeout_seconds=10)
     wait_until(lambda: second.spool is not None and not second.spool and len(agent.events()) == 40)
     assert agent.events() == list(range(40))
@@ -109,8 +110,7 @@ def test_only_an_exhausted_spool_budget_drops_events_and_says_so(tmp_path: Path,
     agent = FlakyAgent()
     agent.down.set()
     c = client(agent, tmp_path / "e.spool", spool_max_bytes=20_000)
-    for i in range(200):
-        c.emit(stats(i))
+    emit(c, range(200))
     assert c.flush(timeout_seconds=20)
     assert c.dropped_events > 0 and c.spooled_events > 0 and c.spooled_events + c.dropped_events == 200
     assert "DROPPED" in caplog.text
