@@ -73,7 +73,7 @@ def _add_replay_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host-tier-mib", type=_non_negative_int, default=0, help="host-memory tier every evicted object is copied down to (MiB; 0: off)")
     p.add_argument("--disk-tier-mib", type=_non_negative_int, default=0, help="disk tier below the host tier (MiB; 0: off)")
-    p.add_argument("--disk-tier-dir", type=Path, default=None, help="the disk tier's files (default: tiers/ under --data-dir; found again on restart)")
+    p.add_argument("--disk-tier-dir", type=Path, default=None, help="the disk tier's files, found again on restart (up: default tiers/ under --data-dir; replay: needed with --disk-tier-mib)")
     p.add_argument("--cache-memory-mib", type=_positive_int, default=None, help="one byte budget (MiB) for every pool: a memory plan replaces the block counts above")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
 
