@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint pytest install clean
+.PHONY: demo test services lint pytest install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,28 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvscope up
 
-## The whole suite: lint, types, then pytest (CPU only; Triton kernels run interpreted).
+## The whole suite: services, lint, types, then pytest (CPU only; Triton kernels run interpreted).
 test: $(STAMP)
+	$(MAKE) services
 	$(MAKE) lint
 	$(MAKE) pytest
+
+## What the e2e tests run besides Python: Debian's `prometheus` (prometheus + promtool). Installed
+## only as root (as CI runs) and only when missing; otherwise nothing happens and those tests skip.
+## apt-get update runs only if the first install fails; while installing, a temporary policy-rc.d
+## (unless one exists) keeps the package from starting its daemon.
+APT_PROMETHEUS := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus
+
+services:
+	@if [ "$$(id -u)" = 0 ] && { [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/promtool ]; }; then \
+		set -e; \
+		if [ ! -e /usr/sbin/policy-rc.d ]; then \
+			trap 'rm -f /usr/sbin/policy-rc.d' EXIT; \
+			printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+			chmod +x /usr/sbin/policy-rc.d; \
+		fi; \
+		$(APT_PROMETHEUS) || { apt-get update && $(APT_PROMETHEUS); }; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -3,9 +3,12 @@
 Endpoints:
 
 * ``POST /v1/events`` — one event batch, ``application/json`` or ``application/msgpack``
-  (``application/x-msgpack``). 200 ``{"status": "stored"|"duplicate", "events": n}``; 415 for
-  another content type; 413 above ``max_body_bytes``; 422 ``{"error": {"path", "reason"}}`` for
-  a batch that breaks the contract (nothing of it is stored).
+  (``application/x-msgpack``). 200 ``{"status": "stored"|"duplicate", "events": n}``, sent only
+  after the batch's transaction committed (:mod:`agent.pipeline`); 415 for another content type;
+  413 above ``max_body_bytes``; 422 ``{"error": {"path", "reason"}}`` for a batch that breaks
+  the contract (nothing of it is stored); 409 for a seq already stored with other events; 503
+  with ``Retry-After`` when the ingest queue is full or the store failed (nothing stored: send
+  it again).
 * ``POST /v1/sql`` — ``{"sql": str, "format": "json"|"csv"|"arrow", "limit": int?}`` through the
   read-only sandbox (:mod:`agent.sql`). 400 bad SQL or request, 403 not a single SELECT, 408 time
   limit. ``limit`` is capped by ``sql_row_limit``.
@@ -25,12 +28,15 @@ Authentication: with a token (``config.token``, else ``KVSCOPE_TOKEN``), every p
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+import duckdb
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -43,10 +49,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agent import queries, sql
 from agent.config import AgentConfig
-from agent.ingest import ingest_batch, record_rejected
+from agent.decode import BatchDecoder, Invalid
+from agent.ingest import record_rejected
 from agent.metrics import AgentMetrics
-from agent.store import Store, utc_now
-from engine.events import ContentFormat, EventError, decode_batch
+from agent.pipeline import FullPolicy, Ingestor, IngestorClosed, QueueFull, StoreWriteError
+from agent.store import Store, StoreClosedError, utc_now
+from engine.events import ContentFormat
 
 EVENT_MEDIA_TYPES: dict[str, ContentFormat] = {
     "application/json": "json",
@@ -120,18 +128,35 @@ def create_app(
             same instance to the alert scheduler so its gauge is exposed here.
         environ: where ``KVSCOPE_TOKEN`` is read from.
 
-    ``app.state.store`` and ``app.state.metrics`` hold what the app uses.
+    ``app.state.store``, ``app.state.metrics`` and ``app.state.ingestor`` (the ingest pipeline
+    over the store; closed — queued batches flushed — when the app shuts down) hold what the app
+    uses.
     """
     metrics = metrics if metrics is not None else AgentMetrics()
     owns_store = store is None
 
+    def new_ingestor(target: Store) -> Ingestor:
+        return Ingestor(
+            target,
+            metrics,
+            max_queue_events=config.ingest_queue_max_events,
+            full_policy=cast(FullPolicy, config.ingest_full_policy),
+            block_timeout_seconds=config.ingest_block_timeout_seconds,
+            flush_max_events=config.flush_max_events,
+        )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if owns_store:
-            app.state.store = await run_in_threadpool(Store.open, config.db_path)
+            app.state.store = await run_in_threadpool(Store.open, config.db_path, wal_autocheckpoint_bytes=config.checkpoint_wal_bytes)
+            app.state.ingestor = await run_in_threadpool(new_ingestor, app.state.store)
         try:
             yield
         finally:
+            ingestor: Ingestor | None = app.state.ingestor
+            if ingestor is not None:
+                await run_in_threadpool(ingestor.close)
+            await run_in_threadpool(decoder.shutdown)
             if owns_store and app.state.store is not None:
                 opened, app.state.store = app.state.store, None
                 await run_in_threadpool(opened.close)
@@ -140,6 +165,9 @@ def create_app(
     app.state.store = store
     app.state.metrics = metrics
     app.state.config = config
+    app.state.ingestor = new_ingestor(store) if store is not None else None
+    decoder = BatchDecoder(config.decode_processes)
+    app.state.decoder = decoder
 
     token = resolve_token(config, environ)
     if token is not None:
@@ -149,6 +177,12 @@ def create_app(
         current: Store | None = app.state.store
         if current is None or not current.is_open:
             raise _ApiError(503, "the store is not open")
+        return current
+
+    def current_ingestor() -> Ingestor:
+        current: Ingestor | None = app.state.ingestor
+        if current is None:
+            raise _ApiError(503, "the ingest pipeline is not running")
         return current
 
     @app.exception_handler(_ApiError)
@@ -183,25 +217,56 @@ def create_app(
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         fmt = EVENT_MEDIA_TYPES.get(media_type)
         if fmt is None:
+            metrics.observe_rejected("content_type")
             raise _ApiError(
                 415,
                 f"unsupported content type {media_type or '(none)'!r}; "
                 f"send one of {', '.join(EVENT_MEDIA_TYPES)}",
             )
-        body = await _read_body(request, config.max_body_bytes)
-        target = current_store()
-        return await run_in_threadpool(_ingest, target, body, fmt)
-
-    def _ingest(target: Store, body: bytes, fmt: ContentFormat) -> JSONResponse:
-        received_at = utc_now()
         try:
-            batch = decode_batch(body, fmt)
-            outcome = ingest_batch(target, batch, received_at=received_at)
-        except EventError as exc:
-            record_rejected(target, body, fmt, exc, received_at=received_at)
-            metrics.observe_rejected()
-            return error_response(422, exc.reason, path=exc.path)
-        metrics.observe_ingest(outcome)
+            body = await _read_body(request, config.max_body_bytes)
+        except _ApiError as exc:
+            if exc.status == 413:
+                metrics.observe_rejected("too_large")
+            raise
+        target = current_store()
+        ingestor = current_ingestor()
+        try:
+            decoded = await decoder.decode(body, fmt)
+        except BrokenProcessPool:
+            return _retry_later("a decode worker died; send the batch again")
+        if isinstance(decoded, Invalid):
+            error = decoded.error()
+            await run_in_threadpool(
+                lambda: record_rejected(
+                    target, body, fmt, error, received_at=utc_now(), tracker=ingestor.tracker
+                )
+            )
+            metrics.observe_rejected("invalid")
+            return error_response(422, error.reason, path=error.path)
+        prepared = decoded.batch
+        try:
+            if config.ingest_full_policy == "block":
+                future = await run_in_threadpool(ingestor.submit, prepared)
+            else:
+                future = ingestor.submit(prepared)
+        except QueueFull as exc:
+            metrics.observe_rejected("queue_full")
+            return _retry_later(str(exc))
+        except IngestorClosed as exc:
+            return _retry_later(str(exc))
+        try:
+            outcome = await asyncio.wrap_future(future)
+        except (duckdb.Error, StoreClosedError, StoreWriteError) as exc:
+            return _retry_later(f"the store could not write this batch ({type(exc).__name__}); send it again")
+        metrics.observe_ingest(outcome, decoded.summary)
+        if outcome.status == "conflict":
+            return error_response(
+                409,
+                f"seq {outcome.seq} of engine {outcome.engine_id!r} was already stored with other "
+                "events; give each engine run its own engine_id",
+                path="$.seq",
+            )
         return JSONResponse({"status": outcome.status, "events": outcome.events})
 
     @app.post("/v1/sql")
@@ -274,6 +339,12 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
             raise _ApiError(413, f"body exceeds the limit of {max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _retry_later(reason: str) -> JSONResponse:
+    response = error_response(503, reason)
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def _result_response(result: sql.ResultSet, fmt: sql.ResultFormat) -> Response:

@@ -9,6 +9,13 @@ A YAML file holds a flat mapping whose keys are the field names of :class:`Agent
     sql_row_limit: 10000
     sql_timeout_seconds: 10
     alert_threshold: 0.5     # RecoverableHitRateLow fires below this windowed ratio
+    ingest_queue_max_events: 200000   # the ingest buffer ...
+    ingest_full_policy: reject        # ... and what happens when it is full (reject | block)
+    raw_retention_hours: 168          # raw event rows kept a week (null: forever)
+    rollup_retention_days: 400        # cache_minute rows (null: forever)
+    export_enabled: true              # hourly Parquet export under export_dir
+    export_dir: /var/lib/kvscope/export
+    checkpoint_interval_seconds: 300
 
 Command-line flags override file values with :func:`dataclasses.replace`.
 """
@@ -23,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from agent.pipeline import FULL_POLICIES
 from alerts.rules import RecoverableHitRateRule
 
 MiB = 1024 * 1024
@@ -54,6 +62,32 @@ class AgentConfig:
             boundary and ends its window that long before now, so late events are counted.
         alert_interval_seconds: evaluate every N seconds instead of on minute boundaries
             (tests and demos); ``None`` keeps the minute schedule.
+        decode_processes: worker processes that decode and prepare event batches (0: two
+            threads in the agent's process instead; see :mod:`agent.decode`).
+        ingest_queue_max_events: events the ingest queue holds (decoded, waiting for a flush).
+        ingest_full_policy: when a batch does not fit: ``reject`` answers 503 with
+            ``Retry-After`` at once (the engine's client spools it), ``block`` waits up to
+            ``ingest_block_timeout_seconds`` for room, then answers 503.
+        flush_max_events: events one ingest transaction takes at most.
+        rollup_interval_seconds: fold newly stored lookups into ``cache_minute`` this often
+            (late events included: they land in their own minute).
+        raw_retention_hours: raw event rows (``cache_lookups``, ``requests``, ``engine_stats``,
+            ``block_events``, ``gpu_stats``) older than this (by ``ts``) are deleted hourly,
+            after the export; ``None`` keeps them.
+        rollup_retention_days: the same for ``cache_minute`` rows (by ``minute``).
+        export_enabled: write every finished hour of the raw tables to Parquet, partitioned by
+            date (and form, where the table has one), under ``export_dir``.
+        export_dir: where; ``None`` means ``data_dir / "export"``.
+        export_lag_seconds: an hour is exported this long after it ended (late events); later
+            arrivals re-export it.
+        maintenance_interval_seconds: run export + retention every N seconds instead of hourly
+            (tests, demos).
+        checkpoint_interval_seconds: fold the WAL into the database file this often (a crash
+            loses nothing acknowledged either way: commits are in the WAL).
+        checkpoint_wal_bytes: DuckDB's ``wal_autocheckpoint``: also checkpoint when the WAL
+            reaches this size.
+        gpu_sample_seconds: NVML sampling period (``gpu_stats`` and ``kvscope_gpu_*``); ``None``
+            turns the sampler off. Without a GPU it logs once and stays off.
     """
 
     host: str = "127.0.0.1"
@@ -68,6 +102,21 @@ class AgentConfig:
     alert_min_prompt_tokens: int = 1000
     alert_ingest_lag_seconds: int = 5
     alert_interval_seconds: float | None = None
+    decode_processes: int = 2
+    ingest_queue_max_events: int = 200_000
+    ingest_full_policy: str = "reject"
+    ingest_block_timeout_seconds: float = 5.0
+    flush_max_events: int = 50_000
+    rollup_interval_seconds: float = 10.0
+    raw_retention_hours: float | None = 168.0
+    rollup_retention_days: float | None = 400.0
+    export_enabled: bool = True
+    export_dir: Path | None = None
+    export_lag_seconds: int = 60
+    maintenance_interval_seconds: float | None = None
+    checkpoint_interval_seconds: float = 300.0
+    checkpoint_wal_bytes: int = 16 * MiB
+    gpu_sample_seconds: float | None = 15.0
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -92,12 +141,43 @@ class AgentConfig:
             raise ValueError(
                 f"alert_interval_seconds must be > 0 or null, got {self.alert_interval_seconds}"
             )
+        if self.decode_processes < 0:
+            raise ValueError(f"decode_processes must be >= 0, got {self.decode_processes}")
+        if self.ingest_queue_max_events < 1 or self.flush_max_events < 1:
+            raise ValueError("ingest_queue_max_events and flush_max_events must be >= 1")
+        if self.ingest_full_policy not in FULL_POLICIES:
+            raise ValueError(
+                f"ingest_full_policy must be one of {', '.join(FULL_POLICIES)}, got {self.ingest_full_policy!r}"
+            )
+        for name in ("ingest_block_timeout_seconds", "checkpoint_interval_seconds", "rollup_interval_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (
+            "raw_retention_hours",
+            "rollup_retention_days",
+            "maintenance_interval_seconds",
+            "gpu_sample_seconds",
+        ):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or null, got {value}")
+        if self.export_lag_seconds < 0:
+            raise ValueError(f"export_lag_seconds must be >= 0, got {self.export_lag_seconds}")
+        if self.checkpoint_wal_bytes < 1:
+            raise ValueError(f"checkpoint_wal_bytes must be >= 1, got {self.checkpoint_wal_bytes}")
+        if self.export_dir is not None and not isinstance(self.export_dir, Path):
+            object.__setattr__(self, "export_dir", Path(self.export_dir))
         self.alert_rule  # noqa: B018 — validates the alert_* rule settings now, not at first use
 
     @property
     def db_path(self) -> Path:
         """The DuckDB file: ``data_dir / "kvscope.duckdb"``."""
         return self.data_dir / "kvscope.duckdb"
+
+    @property
+    def parquet_dir(self) -> Path:
+        """Where hourly Parquet files go: ``export_dir``, else ``data_dir / "export"``."""
+        return self.export_dir if self.export_dir is not None else self.data_dir / "export"
 
     @property
     def alert_log_path(self) -> Path:
@@ -165,6 +245,8 @@ def _coerce(source: str, key: str, value: object, hint: object) -> object:
             return Path(value)
         if option is float and isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if option is bool and isinstance(value, bool):
+            return value
         if option in (int, str) and type(value) is option:
             return value
     expected = " or ".join(

@@ -2,14 +2,22 @@
 
 Contract:
 
-* :func:`build_tables` turns a decoded :class:`~engine.events.EventBatch` into one Arrow table per
-  event kind, typed like the store's tables (the schema's bounds guarantee every value fits its
-  column: ``ts`` up to year 9999, integers within BIGINT / INTEGER).
-* :func:`ingest_batch` stores the tables and the batch's ``ingest_batches`` row in **one**
-  transaction (bulk ``INSERT ... SELECT`` from the registered Arrow tables, never row by row).
-  It is idempotent on (engine_id, seq): a batch already stored is acknowledged as ``duplicate``
-  and stores no event (only its ``duplicate`` row in ``ingest_batches``).
+* :func:`prepare_batch` turns a decoded :class:`~engine.events.EventBatch` into one Arrow table
+  per event kind, typed like the store's tables (the schema's bounds guarantee every value fits
+  its column: ``ts`` up to year 9999, integers within BIGINT / INTEGER), plus a digest of its
+  events. This is the CPU-heavy part; it runs on the request's thread.
+* :func:`write_batches` stores many prepared batches in **one** transaction (a flush of the
+  ingest pipeline, :mod:`agent.pipeline`): bulk ``INSERT ... SELECT`` from Arrow tables, never
+  row by row; their ``ingest_batches`` rows; the ``cache_minute`` rollup of their lookups; the
+  ``ingest_gaps`` they reveal. Idempotent on (engine_id, seq): a batch already stored with the
+  same events is acknowledged as ``duplicate`` and stores no event; the same seq with *other*
+  events is a ``conflict`` (filed ``rejected``, never stored over the first).
 * :func:`record_rejected` is the best-effort audit row of a batch that failed to decode.
+
+* :func:`fold_cache_minute` folds the lookups stored since its last run into ``cache_minute``
+  (the maintenance job runs it every ``rollup_interval_seconds``): counts, token sums and
+  cumulative ``recovery_le_*`` bucket counts per minute × engine × model × form × tier ×
+  outcome × reason, so windows of any size merge exactly; a late event lands in its own minute.
 
 ``ingest_batches.rows`` counts the event rows that batch stored: the event count for ``stored``,
 0 for ``duplicate`` and ``rejected``.
@@ -17,17 +25,28 @@ Contract:
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import enum
+import operator
+import threading
+import time
 import types
 import typing
+import zlib
 from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
+import duckdb
 import msgspec
+import numpy as np
 import pyarrow as pa
 
+from agent.migrations import RECOVERY_BUCKETS_V3, bucket_column
 from agent.store import Store
 from engine.events import (
     BlockEvent,
@@ -100,103 +119,479 @@ TABLE_SPECS: dict[type[Event], _TableSpec] = {cls: _spec(cls) for cls in (CacheL
 """Event class → its table. Keys of :func:`build_tables`'s result are the ``table`` names."""
 
 
+RECOVERY_BUCKETS = RECOVERY_BUCKETS_V3
+"""Upper bounds (seconds) of the recovery-latency histogram: ``cache_minute``'s cumulative
+``recovery_le_*`` columns and the ``kvscope_recovery_seconds`` Prometheus histogram."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreparedBatch:
+    """A decoded, valid batch turned into Arrow tables, ready for a flush.
+
+    ``tables`` maps table name → rows in batch order, without ``ingested_at`` (the flush sets it).
+    ``digest`` is a CRC-32 of the events' canonical msgpack encoding: a re-sent batch has the
+    same digest whatever its ``sent_at`` or body format, another batch under a reused seq does not.
+    """
+
+    engine_id: str
+    seq: int
+    sent_at: float
+    events: int
+    events_by_kind: dict[str, int]
+    tables: dict[str, pa.Table]
+    digest: int
+
+
+IngestStatus = Literal["stored", "duplicate", "conflict"]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IngestOutcome:
-    """What :func:`ingest_batch` did. ``tables`` holds the stored tables (empty for a
-    duplicate), keyed by table name, for the caller's metrics."""
+    """What a flush did with one batch.
 
-    status: Literal["stored", "duplicate"]
+    ``stored``: its events were written; ``duplicate``: the same (engine_id, seq) with the same
+    events was stored before, nothing written; ``conflict``: that (engine_id, seq) was stored
+    before with *other* events (an engine restarted under the same id without its seq state),
+    nothing written, the batch is filed as ``rejected``. ``gap`` is the range of seqs this batch
+    skipped over (first, last), when it jumped past seqs never received.
+    """
+
+    status: IngestStatus
     engine_id: str
     seq: int
     events: int
     events_by_kind: dict[str, int] = field(default_factory=dict)
-    tables: dict[str, pa.Table] = field(default_factory=dict)
+    gap: tuple[int, int] | None = None
+    committed_at: float = 0.0
+    """When the transaction holding this batch committed (unix seconds)."""
 
 
-def build_tables(batch: EventBatch, *, ingested_at: datetime) -> dict[str, pa.Table]:
+def _spec_columns(spec: _TableSpec) -> tuple[tuple[str, pa.DataType], ...]:
+    return tuple(c for c in spec.columns if c[0] != "ingested_at")
+
+
+def build_tables(batch: EventBatch, *, ingested_at: datetime | None = None) -> dict[str, pa.Table]:
     """One Arrow table per event kind present in ``batch`` (table name → table), rows in batch
-    order. ``ingested_at`` is a naive UTC datetime."""
-    grouped: dict[type[Event], list[tuple[int, Event]]] = defaultdict(list)
-    for index, event in enumerate(batch.events):
-        grouped[type(event)].append((index, event))
+    order, typed like the store's tables. ``ingested_at`` (naive UTC) adds that column; ``None``
+    leaves it out (a flush adds it)."""
+    grouped: dict[type[Event], list[Event]] = defaultdict(list)
+    for event in batch.events:
+        grouped[type(event)].append(event)
     tables: dict[str, pa.Table] = {}
     for cls, items in grouped.items():
         spec = TABLE_SPECS[cls]
-        arrays = [_column(items, name, dtype, ingested_at) for name, dtype in spec.columns]
-        tables[spec.table] = pa.Table.from_arrays(
-            arrays, schema=pa.schema([pa.field(name, dtype) for name, dtype in spec.columns])
-        )
+        columns = _spec_columns(spec)
+        arrays = []
+        for name, dtype in columns:
+            column = list(map(operator.attrgetter(name), items))
+            if name == "ts":
+                micros = np.rint(np.asarray(column, dtype=np.float64) * 1e6).astype(np.int64)
+                arrays.append(pa.array(micros).cast(dtype))
+            else:
+                arrays.append(pa.array(column, dtype))
+        table = pa.Table.from_arrays(arrays, schema=pa.schema([pa.field(n, t) for n, t in columns]))
+        tables[spec.table] = table if ingested_at is None else with_ingested_at(table, ingested_at)
     return tables
 
 
-def _column(
-    items: list[tuple[int, Event]], name: str, dtype: pa.DataType, ingested_at: datetime
-) -> pa.Array:
-    if name == "ingested_at":
-        return pa.array([ingested_at] * len(items), dtype)
-    if name == "ts":
-        return pa.array([round(event.ts * 1_000_000) for _, event in items], pa.int64()).cast(dtype)
-    return pa.array([getattr(event, name) for _, event in items], dtype)
+def with_ingested_at(table: pa.Table, ingested_at: datetime) -> pa.Table:
+    """``table`` plus a constant ``ingested_at`` column (naive UTC)."""
+    micros = round((ingested_at - _EPOCH).total_seconds() * 1e6)
+    column = pa.array(np.full(table.num_rows, micros, dtype=np.int64)).cast(_TS)
+    return table.append_column(pa.field("ingested_at", _TS), column)
 
 
-def ingest_batch(store: Store, batch: EventBatch, *, received_at: datetime) -> IngestOutcome:
-    """Store ``batch`` in one transaction, idempotently on (engine_id, seq).
+_EPOCH = datetime(1970, 1, 1)
 
-    ``received_at`` (naive UTC) becomes every row's ``ingested_at`` and the batch's
-    ``received_at``. Nothing is stored when this raises.
+
+def prepare_batch(batch: EventBatch) -> PreparedBatch:
+    """Turn a decoded batch (already checked by :func:`engine.events.decode_batch`) into the
+    tables a flush inserts."""
+    by_kind = {TABLE_SPECS[cls].kind: n for cls, n in Counter(map(type, batch.events)).items()}
+    digest = zlib.crc32(_DIGEST_ENCODER.encode(batch.events))
+    return PreparedBatch(
+        engine_id=batch.engine_id,
+        seq=batch.seq,
+        sent_at=batch.sent_at,
+        events=len(batch.events),
+        events_by_kind=by_kind,
+        tables=build_tables(batch),
+        digest=digest,
+    )
+
+
+_DIGEST_ENCODER = msgspec.msgpack.Encoder()
+
+
+class SeqRanges:
+    """A set of non-negative ints kept as sorted, disjoint, closed intervals (seqs mostly arrive
+    in order, so an engine's set is one interval plus its holes)."""
+
+    __slots__ = ("_count", "_ends", "_starts")
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._count = 0
+
+    def copy(self) -> SeqRanges:
+        other = SeqRanges()
+        other._starts = self._starts.copy()
+        other._ends = self._ends.copy()
+        other._count = self._count
+        return other
+
+    @property
+    def max(self) -> int:
+        """The largest member, -1 when empty."""
+        return self._ends[-1] if self._ends else -1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def missing(self) -> int:
+        """How many seqs in ``[0, max]`` are not members (seqs start at 0)."""
+        return self.max + 1 - self._count
+
+    def __contains__(self, seq: object) -> bool:
+        if not isinstance(seq, int):
+            return False
+        i = bisect.bisect_right(self._starts, seq) - 1
+        return i >= 0 and self._ends[i] >= seq
+
+    def add_range(self, lo: int, hi: int) -> None:
+        """Append ``lo..hi`` (inclusive) above every member and not adjacent to the last
+        interval (how :meth:`SeqTracker.load` reads islands).
+
+        Raises:
+            ValueError: the range is empty, overlaps or touches the current members.
+        """
+        if hi < lo or (self._ends and lo <= self._ends[-1] + 1):
+            raise ValueError(f"range {lo}..{hi} is not above the current intervals")
+        self._starts.append(lo)
+        self._ends.append(hi)
+        self._count += hi - lo + 1
+
+    def add(self, seq: int) -> None:
+        i = bisect.bisect_right(self._starts, seq) - 1
+        if i >= 0 and self._ends[i] >= seq:
+            return
+        joins_left = i >= 0 and self._ends[i] == seq - 1
+        joins_right = i + 1 < len(self._starts) and self._starts[i + 1] == seq + 1
+        if joins_left and joins_right:
+            self._ends[i] = self._ends[i + 1]
+            del self._starts[i + 1], self._ends[i + 1]
+        elif joins_left:
+            self._ends[i] = seq
+        elif joins_right:
+            self._starts[i + 1] = seq
+        else:
+            self._starts.insert(i + 1, seq)
+            self._ends.insert(i + 1, seq)
+        self._count += 1
+
+
+class SeqTracker:
+    """Per engine: the seqs stored (for idempotency) and the seqs received at all — stored or
+    filed as rejected — (for gaps). Loaded from ``ingest_batches``; updated after each commit.
+
+    A gap is a seq in ``[0, max received]`` never received: the engine's client dropped that
+    batch (its spool was full) or it is still in flight. Seqs start at 0 per engine id.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stored: dict[str, SeqRanges] = {}
+        self._seen: dict[str, SeqRanges] = {}
+
+    @classmethod
+    def load(cls, store: Store) -> SeqTracker:
+        """Read every engine's stored and received seqs (as intervals) from ``ingest_batches``."""
+        tracker = cls()
+        islands = """
+            SELECT engine_id, min(seq), max(seq) FROM (
+                SELECT engine_id, seq,
+                       seq - row_number() OVER (PARTITION BY engine_id ORDER BY seq) AS island
+                FROM (SELECT DISTINCT engine_id, seq FROM ingest_batches WHERE {where})
+            ) GROUP BY engine_id, island ORDER BY engine_id, 2
+        """
+        with store.cursor() as cur:
+            for target, where in (
+                (tracker._stored, "status = 'stored'"),
+                (tracker._seen, "status IN ('stored', 'rejected')"),
+            ):
+                for engine_id, lo, hi in cur.execute(islands.format(where=where)).fetchall():
+                    target.setdefault(engine_id, SeqRanges()).add_range(lo, hi)
+        return tracker
+
+    def is_stored(self, engine_id: str, seq: int) -> bool:
+        with self._lock:
+            ranges = self._stored.get(engine_id)
+            return ranges is not None and seq in ranges
+
+    def max_seen(self, engine_id: str) -> int:
+        with self._lock:
+            ranges = self._seen.get(engine_id)
+            return ranges.max if ranges is not None else -1
+
+    def mark(self, engine_id: str, seq: int, *, stored: bool) -> None:
+        """Record a committed batch: ``stored`` or filed as rejected."""
+        with self._lock:
+            self._seen.setdefault(engine_id, SeqRanges()).add(seq)
+            if stored:
+                self._stored.setdefault(engine_id, SeqRanges()).add(seq)
+
+    def missing(self) -> dict[str, int]:
+        """Engine id → seqs never received below its highest, for engines with any."""
+        with self._lock:
+            return {e: r.missing for e, r in self._seen.items() if r.missing}
+
+
+def write_batches(
+    store: Store, tracker: SeqTracker, items: Sequence[PreparedBatch], *, ingested_at: datetime
+) -> list[IngestOutcome]:
+    """Store ``items`` in **one** transaction, idempotently on (engine_id, seq).
+
+    Per item, in order: a seq already stored (or earlier in ``items``) with the same digest is a
+    ``duplicate``; with another digest a ``conflict`` (filed as ``rejected``); otherwise its rows
+    are written. All rows of one table go in with one ``INSERT ... SELECT`` from an Arrow table;
+    ``ingest_batches`` gets one row per item; a stored seq that jumps past seqs never received
+    adds an ``ingest_gaps`` row. ``ingested_at`` (naive UTC) stamps every row; it must increase
+    from one call to the next (the ``cache_minute`` rollup folds rows by ``ingested_at``).
+
+    Returns the outcomes, in ``items`` order. ``tracker`` is updated only after the commit.
+
+    Raises:
+        duckdb.Error, StoreClosedError: the store failed; the transaction was rolled back and
+            nothing of ``items`` is stored or tracked.
+    """
+    outcomes: list[IngestOutcome] = []
+    stored_items: list[PreparedBatch] = []
+    batch_rows: list[tuple[str, int, int, str, str | None, int]] = []
+    gap_rows: list[tuple[str, int, int]] = []
+    in_flush: dict[tuple[str, int], int] = {}
+    max_seen: dict[str, int] = {}
+    with store.transaction() as cur:
+        for item in items:
+            key = (item.engine_id, item.seq)
+            previous = in_flush.get(key)
+            if previous is None and tracker.is_stored(*key):
+                previous = _stored_digest(cur, *key)
+            if previous is not None:
+                same = previous in (item.digest, _UNKNOWN_DIGEST)
+                status: IngestStatus = "duplicate" if same else "conflict"
+                error = None if same else _conflict_reason(item)
+                batch_rows.append((item.engine_id, item.seq, 0, "duplicate" if same else "rejected", error, item.digest))
+                outcomes.append(_outcome(item, status))
+                continue
+            top = max_seen.get(item.engine_id, tracker.max_seen(item.engine_id))
+            gap = (top + 1, item.seq - 1) if item.seq > top + 1 else None
+            if gap is not None:
+                gap_rows.append((item.engine_id, *gap))
+            max_seen[item.engine_id] = max(top, item.seq)
+            in_flush[key] = item.digest
+            stored_items.append(item)
+            batch_rows.append((item.engine_id, item.seq, item.events, "stored", None, item.digest))
+            outcomes.append(_outcome(item, "stored", gap))
+        tables = _concat_tables(stored_items, ingested_at)
+        for spec in TABLE_SPECS.values():
+            table = tables.get(spec.table)
+            if table is not None:
+                # Identifiers come from TABLE_SPECS (code), never from the request.
+                _insert(cur, spec.table, spec.column_list, table)
+        _insert_ingest_rows(cur, batch_rows, gap_rows, ingested_at)
+    committed_at = time.time()
+    outcomes = [dataclasses.replace(o, committed_at=committed_at) for o in outcomes]
+    for row in batch_rows:
+        if row[3] != "duplicate":
+            tracker.mark(row[0], row[1], stored=row[3] == "stored")
+    return outcomes
+
+
+_UNKNOWN_DIGEST = -1
+"""The digest of a batch stored before digests were kept (schema < 3): any re-send matches."""
+
+
+def _outcome(item: PreparedBatch, status: IngestStatus, gap: tuple[int, int] | None = None) -> IngestOutcome:
+    return IngestOutcome(
+        status=status,
+        engine_id=item.engine_id,
+        seq=item.seq,
+        events=item.events,
+        events_by_kind=item.events_by_kind,
+        gap=gap,
+    )
+
+
+def _conflict_reason(item: PreparedBatch) -> str:
+    return (
+        f"seq {item.seq} of engine {item.engine_id!r} was already stored with other events: "
+        "an engine restarted under the same engine_id without its seq state; give each engine "
+        "run its own engine_id (or keep its spool directory)"
+    )
+
+
+def _stored_digest(cur: duckdb.DuckDBPyConnection, engine_id: str, seq: int) -> int | None:
+    rows = cur.execute(
+        "SELECT coalesce(digest, -1) FROM ingest_batches "
+        "WHERE engine_id = $engine_id AND seq = $seq AND status = 'stored' LIMIT 1",
+        {"engine_id": engine_id, "seq": seq},
+    ).fetchall()
+    return int(rows[0][0]) if rows else None
+
+
+def _concat_tables(items: Sequence[PreparedBatch], ingested_at: datetime) -> dict[str, pa.Table]:
+    parts: dict[str, list[pa.Table]] = defaultdict(list)
+    for item in items:
+        for name, table in item.tables.items():
+            parts[name].append(table)
+    return {
+        name: with_ingested_at(pa.concat_tables(tables) if len(tables) > 1 else tables[0], ingested_at)
+        for name, tables in parts.items()
+    }
+
+
+@contextmanager
+def registered(cur: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> Iterator[None]:
+    """``table`` visible to SQL on ``cur`` as ``name`` for the block. When the block raises, a
+    failure to unregister (the transaction is aborted) does not hide the original error."""
+    cur.register(name, table)
+    try:
+        yield
+    except BaseException:
+        with suppress(duckdb.Error):
+            cur.unregister(name)
+        raise
+    cur.unregister(name)
+
+
+def _insert(cur: duckdb.DuckDBPyConnection, table_name: str, columns: str, table: pa.Table) -> None:
+    view = f"_ingest_{table_name}"
+    with registered(cur, view, table):
+        cur.execute(f"INSERT INTO {table_name} ({columns}) SELECT {columns} FROM {view}")
+
+
+_BUCKET_SELECT = ", ".join(
+    f"count(*) FILTER (WHERE recovery_seconds <= {bound!r})" for bound in RECOVERY_BUCKETS
+)
+_SUMMED = (
+    "lookups",
+    "approximate_lookups",
+    "hash_hit_tokens",
+    "usable_tokens",
+    "recoverable_tokens",
+    "replayed_tokens",
+    "bytes_moved",
+    "recovery_seconds_sum",
+    *(bucket_column(b) for b in RECOVERY_BUCKETS),
+)
+_CACHE_MINUTE_UPSERT = f"""
+    INSERT INTO cache_minute
+    SELECT date_trunc('minute', ts), engine_id, model, form, tier, outcome, reason,
+           count(*), count(*) FILTER (WHERE approximate),
+           sum(hash_hit_tokens), sum(usable_tokens), sum(recoverable_tokens),
+           sum(replayed_tokens), sum(bytes_moved), sum(recovery_seconds),
+           {_BUCKET_SELECT}
+    FROM cache_lookups
+    WHERE ingested_at > $low AND ingested_at <= $high
+    GROUP BY ALL
+    ON CONFLICT (minute, engine_id, model, form, tier, outcome, reason) DO UPDATE SET
+    {", ".join(f"{c} = {c} + EXCLUDED.{c}" for c in _SUMMED)}
+"""
+
+
+def fold_cache_minute(store: Store) -> int:
+    """Fold the ``cache_lookups`` rows stored since the last fold into ``cache_minute``; returns
+    how many rows were folded.
+
+    Rows are taken by ``ingested_at`` above the ``cache_minute`` watermark, up to the newest
+    committed one; the watermark moves in the same transaction as the sums, so every row is
+    folded exactly once, late events (an old ``ts``) land in their own minute, and a crash
+    between folds only delays them. Correct because the ingest flusher stamps ``ingested_at`` in
+    increasing order and commits flushes one after the other: when a row stamped ``W`` is
+    visible, every row stamped before ``W`` is too. Runs under the store's writer lock (between
+    two flushes).
+
+    Raises:
+        duckdb.Error, StoreClosedError: the store failed; nothing moved.
+    """
+    with store.transaction() as cur:
+        rows = cur.execute(
+            "SELECT ingested_at FROM rollup_watermarks WHERE name = 'cache_minute'"
+        ).fetchall()
+        low = rows[0][0] if rows else datetime(1970, 1, 1)
+        ((high, count),) = cur.execute(
+            "SELECT max(ingested_at), count(*) FROM cache_lookups WHERE ingested_at > $low",
+            {"low": low},
+        ).fetchall()
+        if count:
+            cur.execute(_CACHE_MINUTE_UPSERT, {"low": low, "high": high})
+            cur.execute(
+                "INSERT INTO rollup_watermarks VALUES ('cache_minute', $high) "
+                "ON CONFLICT (name) DO UPDATE SET ingested_at = EXCLUDED.ingested_at",
+                {"high": high},
+            )
+    return int(count)
+
+
+_BATCH_ROW_SCHEMA = pa.schema(
+    [
+        ("engine_id", pa.string()),
+        ("seq", pa.int64()),
+        ("rows", pa.int64()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("digest", pa.int64()),
+    ]
+)
+
+
+def _insert_ingest_rows(
+    cur: duckdb.DuckDBPyConnection,
+    batch_rows: list[tuple[str, int, int, str, str | None, int]],
+    gap_rows: list[tuple[str, int, int]],
+    at: datetime,
+) -> None:
+    if batch_rows:
+        table = pa.Table.from_arrays(
+            [pa.array(list(col), f.type) for col, f in zip(zip(*batch_rows, strict=True), _BATCH_ROW_SCHEMA, strict=True)],
+            schema=_BATCH_ROW_SCHEMA,
+        )
+        with registered(cur, "_ingest_rows", table):
+            cur.execute(
+                "INSERT INTO ingest_batches (engine_id, seq, received_at, rows, status, error, digest) "
+                "SELECT engine_id, seq, $at, rows, status, error, digest FROM _ingest_rows",
+                {"at": at},
+            )
+    for engine_id, first, last in gap_rows:
+        cur.execute(
+            "INSERT INTO ingest_gaps VALUES ($engine_id, $first, $last, $at)",
+            {"engine_id": engine_id, "first": first, "last": last, "at": at},
+        )
+
+
+def ingest_batch(
+    store: Store, batch: EventBatch, *, received_at: datetime, tracker: SeqTracker | None = None
+) -> IngestOutcome:
+    """Store one batch now, in its own transaction (what a flush of one does). Without a
+    ``tracker`` the store's own ``ingest_batches`` is read first. Nothing is stored when this
+    raises.
 
     Raises:
         duckdb.Error: the store failed; the transaction was rolled back.
     """
-    tables = build_tables(batch, ingested_at=received_at)
-    by_kind = {TABLE_SPECS[cls].kind: n for cls, n in Counter(map(type, batch.events)).items()}
-    key = {"engine_id": batch.engine_id, "seq": batch.seq, "received_at": received_at}
-    with store.transaction() as cur:
-        ((already_stored,),) = cur.execute(
-            "SELECT count(*) FROM ingest_batches "
-            "WHERE engine_id = $engine_id AND seq = $seq AND status = 'stored'",
-            {"engine_id": batch.engine_id, "seq": batch.seq},
-        ).fetchall()
-        if already_stored > 0:
-            cur.execute(
-                "INSERT INTO ingest_batches VALUES "
-                "($engine_id, $seq, $received_at, 0, 'duplicate', NULL)",
-                key,
-            )
-            return IngestOutcome(
-                status="duplicate",
-                engine_id=batch.engine_id,
-                seq=batch.seq,
-                events=len(batch.events),
-                events_by_kind=by_kind,
-            )
-        for spec in TABLE_SPECS.values():
-            table = tables.get(spec.table)
-            if table is None:
-                continue
-            view = f"_ingest_{spec.table}"
-            cur.register(view, table)
-            try:
-                # Identifiers come from TABLE_SPECS (code), never from the request.
-                cur.execute(
-                    f"INSERT INTO {spec.table} ({spec.column_list}) "
-                    f"SELECT {spec.column_list} FROM {view}"
-                )
-            finally:
-                cur.unregister(view)
-        cur.execute(
-            "INSERT INTO ingest_batches VALUES "
-            "($engine_id, $seq, $received_at, $rows, 'stored', NULL)",
-            {**key, "rows": len(batch.events)},
-        )
-    return IngestOutcome(
-        status="stored",
-        engine_id=batch.engine_id,
-        seq=batch.seq,
-        events=len(batch.events),
-        events_by_kind=by_kind,
-        tables=tables,
-    )
+    tracker = tracker if tracker is not None else SeqTracker.load(store)
+    return write_batches(store, tracker, [prepare_batch(batch)], ingested_at=received_at)[0]
+
+
+def latest_ingested_at(store: Store) -> datetime | None:
+    """The newest ``ingested_at`` of ``cache_lookups`` (None when empty): a restarted flusher
+    stamps after it, so the rollup's watermark stays valid even if the clock went back."""
+    with store.cursor() as cur:
+        ((value,),) = cur.execute("SELECT max(ingested_at) FROM cache_lookups").fetchall()
+    return value if isinstance(value, datetime) else None
 
 
 class _BatchHeader(msgspec.Struct):
@@ -210,10 +605,17 @@ MAX_ERROR_CHARS = 2000
 
 
 def record_rejected(
-    store: Store, body: bytes, fmt: ContentFormat, error: EventError, *, received_at: datetime
+    store: Store,
+    body: bytes,
+    fmt: ContentFormat,
+    error: EventError,
+    *,
+    received_at: datetime,
+    tracker: SeqTracker | None = None,
 ) -> bool:
     """Best effort: file a ``rejected`` row in ``ingest_batches`` when the body's ``engine_id``
-    and ``seq`` are readable. Returns whether a row was written. Stores no event."""
+    and ``seq`` are readable (and mark that seq received in ``tracker``, so it is not a gap).
+    Returns whether a row was written. Stores no event."""
     try:
         header = (
             msgspec.json.decode(body, type=_BatchHeader)
@@ -226,8 +628,8 @@ def record_rejected(
         return False
     with store.transaction() as cur:
         cur.execute(
-            "INSERT INTO ingest_batches VALUES "
-            "($engine_id, $seq, $received_at, 0, 'rejected', $error)",
+            "INSERT INTO ingest_batches (engine_id, seq, received_at, rows, status, error) "
+            "VALUES ($engine_id, $seq, $received_at, 0, 'rejected', $error)",
             {
                 "engine_id": header.engine_id,
                 "seq": header.seq,
@@ -235,4 +637,6 @@ def record_rejected(
                 "error": str(error)[:MAX_ERROR_CHARS],
             },
         )
+    if tracker is not None:
+        tracker.mark(header.engine_id, header.seq, stored=False)
     return True

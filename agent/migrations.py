@@ -137,6 +137,65 @@ _V1_TABLES = (
     "CREATE INDEX ingest_batches_engine_seq ON ingest_batches (engine_id, seq)",
 )
 
+RECOVERY_BUCKETS_V3 = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of ``cache_minute``'s recovery-latency buckets, as migration 3 created
+them. Never edit: a change of buckets is a new migration (and :data:`agent.rollup.RECOVERY_BUCKETS`)."""
+
+
+def bucket_column(bound: float) -> str:
+    """The ``cache_minute`` column counting lookups with ``recovery_seconds <= bound``."""
+    return "recovery_le_" + repr(float(bound)).replace(".", "_")
+
+
+_V3_STATEMENTS = (
+    f"""
+    CREATE TABLE cache_minute (
+        minute TIMESTAMP NOT NULL,
+        engine_id VARCHAR NOT NULL,
+        model VARCHAR NOT NULL,
+        form VARCHAR NOT NULL,
+        tier VARCHAR NOT NULL,
+        outcome VARCHAR NOT NULL,
+        reason VARCHAR NOT NULL,
+        lookups BIGINT NOT NULL,
+        approximate_lookups BIGINT NOT NULL,
+        hash_hit_tokens BIGINT NOT NULL,
+        usable_tokens BIGINT NOT NULL,
+        recoverable_tokens BIGINT NOT NULL,
+        replayed_tokens BIGINT NOT NULL,
+        bytes_moved BIGINT NOT NULL,
+        recovery_seconds_sum DOUBLE NOT NULL,
+        {", ".join(f"{bucket_column(b)} BIGINT NOT NULL" for b in RECOVERY_BUCKETS_V3)},
+        PRIMARY KEY (minute, engine_id, model, form, tier, outcome, reason)
+    )
+    """,
+    "ALTER TABLE ingest_batches ADD COLUMN digest BIGINT",
+    """
+    CREATE TABLE ingest_gaps (
+        engine_id VARCHAR NOT NULL,
+        first_missing BIGINT NOT NULL,
+        last_missing BIGINT NOT NULL,
+        detected_at TIMESTAMP NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE rollup_watermarks (
+        name VARCHAR PRIMARY KEY,
+        ingested_at TIMESTAMP NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE parquet_exports (
+        table_name VARCHAR NOT NULL,
+        hour TIMESTAMP NOT NULL,
+        rows BIGINT NOT NULL,
+        files INTEGER NOT NULL,
+        exported_at TIMESTAMP NOT NULL,
+        PRIMARY KEY (table_name, hour)
+    )
+    """,
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="create event, alert and ingest tables", statements=_V1_TABLES),
     Migration(
@@ -146,6 +205,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE requests ADD COLUMN predicted_seconds DOUBLE DEFAULT 0",
             "ALTER TABLE requests ADD COLUMN actual_seconds DOUBLE DEFAULT 0",
         ),
+    ),
+    Migration(
+        version=3,
+        name="cache_minute rollups and their watermark, batch digests, seq gaps, Parquet export log",
+        statements=_V3_STATEMENTS,
     ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""

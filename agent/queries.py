@@ -309,6 +309,59 @@ ALERTS_RECENT = NamedQuery(
     columns=("ts", "alert", "fingerprint", "state", "value", "labels", "summary", "description"),
 )
 
+INGEST_SEQ_GAPS = NamedQuery(
+    name="ingest_seq_gaps",
+    description=(
+        "Per engine: the highest batch seq received, how many seqs were received (stored or "
+        "rejected) and how many below the highest never arrived (seqs start at 0)."
+    ),
+    sql="""
+    SELECT engine_id,
+           max(seq) AS max_seq,
+           count(DISTINCT seq) AS received,
+           (max(seq) + 1 - count(DISTINCT seq))::BIGINT AS missing
+    FROM ingest_batches
+    WHERE status IN ('stored', 'rejected')
+      AND ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id)
+    GROUP BY engine_id
+    ORDER BY missing DESC, engine_id
+    """,
+    params=(_engine(),),
+    columns=("engine_id", "max_seq", "received", "missing"),
+)
+
+FORM_WINDOW = NamedQuery(
+    name="form_window",
+    description=(
+        "Per form and tier over the window, from the cache_minute rollup (minutes merge "
+        "exactly): lookups, hash-hit and recoverable tokens, their ratio, recoveries within 100 ms."
+    ),
+    sql="""
+    SELECT form, tier,
+           sum(lookups)::BIGINT AS lookups,
+           sum(hash_hit_tokens)::BIGINT AS hash_hit_tokens,
+           sum(recoverable_tokens)::BIGINT AS recoverable_tokens,
+           sum(recoverable_tokens) / nullif(sum(hash_hit_tokens), 0) AS recoverable_ratio,
+           sum(recovery_le_0_1)::BIGINT AS recovered_within_100ms
+    FROM cache_minute
+    WHERE minute >= $now - to_seconds($since_seconds::BIGINT)
+      AND ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id)
+      AND ($model::VARCHAR IS NULL OR model = $model)
+    GROUP BY form, tier
+    ORDER BY form, tier
+    """,
+    params=(_engine(), _MODEL, _SINCE),
+    columns=(
+        "form",
+        "tier",
+        "lookups",
+        "hash_hit_tokens",
+        "recoverable_tokens",
+        "recoverable_ratio",
+        "recovered_within_100ms",
+    ),
+)
+
 NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
     {
         q.name: q
@@ -319,6 +372,8 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             FORM_USABLE_TIMESERIES,
             RECENT_REQUESTS,
             ALERTS_RECENT,
+            INGEST_SEQ_GAPS,
+            FORM_WINDOW,
         )
     }
 )

@@ -1,8 +1,10 @@
 """Run the agent: what ``kvscope agent`` calls.
 
-:func:`serve` opens the store, builds the app, starts the alert scheduler and runs uvicorn until
-SIGINT or SIGTERM; then uvicorn drains in-flight requests, the scheduler stops, and the store is
-checkpointed and closed — in that order, so no write is lost. It returns normally after a
+:func:`serve` opens the store, builds the app (its decode workers started), starts the alert and
+maintenance schedulers (:mod:`agent.maintenance`) and runs uvicorn until SIGINT or SIGTERM; then
+uvicorn drains in-flight requests and the app's ingest queue is flushed, the schedulers stop
+(the rollup runs once more), and the store is checkpointed and closed — in that order, so no
+write is lost. It returns normally after a
 signal (the caller exits 0).
 """
 
@@ -19,6 +21,7 @@ import uvicorn
 
 from agent.app import create_app
 from agent.config import AgentConfig
+from agent.maintenance import MaintenanceScheduler
 from agent.metrics import AgentMetrics
 from agent.store import Store
 from alerts.scheduler import AlertScheduler
@@ -34,7 +37,7 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
         OSError: the port cannot be bound.
     """
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    store = Store.open(config.db_path)
+    store = Store.open(config.db_path, wal_autocheckpoint_bytes=config.checkpoint_wal_bytes)
     try:
         metrics = AgentMetrics()
         scheduler = AlertScheduler(
@@ -46,6 +49,7 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
             interval_seconds=config.alert_interval_seconds,
         )
         app = create_app(config, store, metrics=metrics)
+        app.state.decoder.warm_up()
         server = uvicorn.Server(
             uvicorn.Config(
                 app,
@@ -55,12 +59,15 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
                 lifespan="on",
             )
         )
+        maintenance = MaintenanceScheduler(store, config, metrics)
         scheduler.start()
+        maintenance.start()
         try:
             with _signals_end_quietly():
                 server.run()
         finally:
             scheduler.shutdown()
+            maintenance.shutdown()
     finally:
         store.close()
         log.info("agent stopped; store %s checkpointed and closed", config.db_path)

@@ -79,8 +79,17 @@ class Store:
         self._cursor_lock = threading.Lock()
 
     @classmethod
-    def open(cls, path: str | Path, migrations: tuple[Migration, ...] = MIGRATIONS) -> Self:
+    def open(
+        cls,
+        path: str | Path,
+        migrations: tuple[Migration, ...] = MIGRATIONS,
+        *,
+        wal_autocheckpoint_bytes: int | None = None,
+    ) -> Self:
         """Open ``path`` (parent folders are created), migrate it, lock it down.
+
+        ``wal_autocheckpoint_bytes`` sets DuckDB's ``wal_autocheckpoint`` (checkpoint when the WAL
+        reaches that size) before the configuration is locked; ``None`` keeps DuckDB's default.
 
         Raises:
             duckdb.Error: the file cannot be opened (for example another process holds it) or a
@@ -92,6 +101,8 @@ class Store:
         con = duckdb.connect(str(path))
         try:
             report = _migrate(con, migrations)
+            if wal_autocheckpoint_bytes is not None:
+                con.execute(f"SET wal_autocheckpoint = '{int(wal_autocheckpoint_bytes)}B'")
             con.execute("SET enable_external_access = false")
             con.execute("SET lock_configuration = true")
         except BaseException:
@@ -137,6 +148,16 @@ class Store:
                 cur.execute("ROLLBACK")
                 raise
             cur.execute("COMMIT")
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into the database file (``CHECKPOINT``), holding the writer lock so no
+        write transaction of this store is open meanwhile.
+
+        Raises:
+            duckdb.Error, StoreClosedError: the store failed or is closed.
+        """
+        with self._write_lock, self.cursor() as cur:
+            cur.execute("CHECKPOINT")
 
     def close(self) -> None:
         """Checkpoint (fold the WAL into the file) and close. Idempotent."""

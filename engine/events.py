@@ -122,7 +122,9 @@ UnixSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=253_402_300_799.0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
-class _Event(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", kw_only=True):
+class _Event(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", kw_only=True, gc=False):
+    # gc=False: events hold only scalars and strings (no reference cycles possible), so the
+    # cyclic garbage collector need not track the millions of them an agent decodes.
     ts: UnixSeconds
     engine_id: Name
 

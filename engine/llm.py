@@ -54,7 +54,9 @@ class RequestTooLarge(ValueError):
 
 
 def default_engine_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """``host-pid-start``: unique per engine run (the start time, hex milliseconds, tells apart
+    two runs that got the same pid), so each run's batch seqs start at 0 under their own id."""
+    return f"{socket.gethostname()}-{os.getpid()}-{time.time_ns() // 1_000_000:x}"
 
 
 def resolve_device(device: str) -> torch.device:

@@ -6,6 +6,9 @@ File format: an append-only sequence of records ``[u32 length][u32 crc32][u32 ev
 (little endian; ``payload`` = one encoded batch; the CRC covers the event count and the
 payload). A sidecar ``<name>.offset`` holds how far the records were delivered, replaced
 atomically after each delivery; when every record is delivered both files are truncated. A
+second sidecar ``<name>.seq`` holds the engine's next batch ``seq`` (8 bytes, little endian,
+rewritten in place before each batch is sent), so an engine restarted with its spool continues
+its seq instead of reusing one. A
 record cut short by a crash, or one whose CRC fails, ends the readable part: the rest of the file
 is dropped and counted (:attr:`Spool.corrupt_records`), loudly.
 """
@@ -47,6 +50,11 @@ class Spool:
         except OSError as exc:
             raise ValueError(f"telemetry spool {path}: {exc}") from None
         self.corrupt_records = 0
+        self._seq_path = path.with_name(path.name + ".seq")
+        try:
+            self._seq_fd = os.open(self._seq_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ValueError(f"telemetry spool {self._seq_path}: {exc}") from None
         self._offset = self._read_offset()
         self._size = self._file.seek(0, os.SEEK_END)
         if self._offset > self._size:
@@ -115,8 +123,24 @@ class Spool:
         if not self._reset_if_done():
             self._write_offset()
 
+    # -- the engine's seq ---------------------------------------------------------------------------
+    @property
+    def next_seq(self) -> int:
+        """The seq the next batch takes: what was saved, 0 for a new spool."""
+        data = os.pread(self._seq_fd, 8, 0)
+        if len(data) != 8:
+            if data:
+                log.error("telemetry spool %s: unreadable seq file; starting at seq 0", self.path)
+            return 0
+        return int.from_bytes(data, "little")
+
+    def save_next_seq(self, seq: int) -> None:
+        """Record that ``seq`` is the next one to use (before the batch before it is sent)."""
+        os.pwrite(self._seq_fd, seq.to_bytes(8, "little"), 0)
+
     def close(self) -> None:
         self._file.close()
+        os.close(self._seq_fd)
 
     # -- internals ---------------------------------------------------------------------------------
     def _reset_if_done(self) -> bool:

@@ -3,8 +3,11 @@
 :class:`TelemetryClient` never blocks the engine step: :meth:`~TelemetryClient.emit` puts the
 event on a bounded in-memory queue (a full queue drops the event and counts it); a background
 thread groups events into batches (by size and by age), stamps each batch with the engine id and
-a per-engine monotonic ``seq`` (DESIGN.md §5; it starts from the wall clock in microseconds, so
-it keeps increasing across restarts of an engine that keeps its id) and posts it as msgpack to ``POST /v1/events``,
+a per-engine ``seq`` that starts at 0 and grows by one per batch (DESIGN.md §5: the agent
+reports a seq never received below the highest as a gap; with a spool the next seq is saved
+beside it, so a restarted engine keeping its id and spool continues; without one, give each run
+its own engine id — :func:`engine.llm.default_engine_id` does — or the agent answers 409 to the
+reused seqs) and posts it as msgpack to ``POST /v1/events``,
 retrying connection failures and 5xx answers with capped exponential backoff. A batch the agent
 rejects (4xx) is not retried: it is counted and logged with the agent's reason.
 
@@ -124,9 +127,6 @@ class TelemetryClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(timeout=timeout_seconds, headers=headers)
-        # Batches are deduplicated on (engine_id, seq): start from the wall clock in microseconds
-        # so an engine restarted under the same id keeps seq increasing instead of repeating.
-        self._seq = time.time_ns() // 1000
         self._pending = 0
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -139,6 +139,7 @@ class TelemetryClient:
         self.spooled_events = 0
         self.replayed_events = 0
         self.spool: Spool | None = Spool(spool_path, spool_max_bytes) if spool_path is not None else None
+        self._seq = self.spool.next_seq if self.spool is not None else 0
         self.high_water_events = high_water_events if high_water_events is not None else max_queue_events * 3 // 4
         self._retry_at = 0.0
         self._backoff = 0.1
@@ -227,6 +228,8 @@ class TelemetryClient:
             schema_version=SCHEMA_VERSION, engine_id=self.engine_id, seq=self._seq, sent_at=time.time(), events=events
         )
         self._seq += 1
+        if self.spool is not None:
+            self.spool.save_next_seq(self._seq)
         body = encode_batch(batch, "msgpack")
         if self.spool is not None and (
             self.spool or self._queue.qsize() >= self.high_water_events or time.monotonic() < self._retry_at

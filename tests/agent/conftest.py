@@ -18,7 +18,10 @@ from agent.store import Store
 @pytest.fixture
 def config(tmp_path: Path) -> AgentConfig:
     return AgentConfig(
-        data_dir=tmp_path / "data", sql_timeout_seconds=0.5, max_body_bytes=64 * 1024
+        data_dir=tmp_path / "data",
+        sql_timeout_seconds=0.5,
+        max_body_bytes=64 * 1024,
+        decode_processes=0,  # threads: no worker processes per test app
     )
 
 

@@ -35,23 +35,26 @@ def test_metrics_after_known_batch_duplicate_and_rejected(client: TestClient, ba
     assert client.post("/v1/events", content=body, headers=JSON).json()["status"] == "stored"
     assert client.post("/v1/events", content=body, headers=JSON).json()["status"] == "duplicate"
     assert client.post("/v1/events", content=b"{", headers=JSON).status_code == 422
-    assert samples(client) == {
+    assert client.post("/v1/events", content=b"{}", headers={"content-type": "text/plain"}).status_code == 415
+    everything = samples(client)
+    histograms = {k: v for k, v in everything.items() if k[0].endswith(("_bucket", "_sum", "_count"))}
+    assert {k: v for k, v in everything.items() if k not in histograms} == {
         ("kvscope_cache_lookups_total", lbl(**EM, form="full_kv", tier="device", outcome="hit")): 1.0,
         ("kvscope_cache_lookups_total", lbl(**EM, form="swa_window", tier="device", outcome="invalidated")): 1.0,
         ("kvscope_cache_lookups_total", lbl(**EM, form="full_kv", tier="host", outcome="recovered")): 1.0,
         ("kvscope_cache_lookups_total", lbl(**EM, form="linear_state", tier="device", outcome="replayed")): 1.0,
-        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="full_kv", outcome="hit")): 800.0,
-        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="swa_window", outcome="invalidated")): 800.0,
-        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="full_kv", outcome="recovered")): 3000.0,
-        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="linear_state", outcome="replayed")): 3000.0,
-        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="full_kv", outcome="hit")): 800.0,
-        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="swa_window", outcome="invalidated")): 600.0,
-        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="full_kv", outcome="recovered")): 3000.0,
-        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="linear_state", outcome="replayed")): 2400.0,
-        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="full_kv", outcome="hit")): 600.0,
-        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="swa_window", outcome="invalidated")): 600.0,
-        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="full_kv", outcome="recovered")): 2400.0,
-        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="linear_state", outcome="replayed")): 2400.0,
+        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="full_kv", tier="device", outcome="hit")): 800.0,
+        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="swa_window", tier="device", outcome="invalidated")): 800.0,
+        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="full_kv", tier="host", outcome="recovered")): 3000.0,
+        ("kvscope_lookup_hash_hit_tokens_total", lbl(**EM, form="linear_state", tier="device", outcome="replayed")): 3000.0,
+        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="full_kv", tier="device", outcome="hit")): 800.0,
+        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="swa_window", tier="device", outcome="invalidated")): 600.0,
+        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="full_kv", tier="host", outcome="recovered")): 3000.0,
+        ("kvscope_lookup_usable_tokens_total", lbl(**EM, form="linear_state", tier="device", outcome="replayed")): 2400.0,
+        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="full_kv", tier="device", outcome="hit")): 600.0,
+        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="swa_window", tier="device", outcome="invalidated")): 600.0,
+        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="full_kv", tier="host", outcome="recovered")): 2400.0,
+        ("kvscope_lookup_recoverable_tokens_total", lbl(**EM, form="linear_state", tier="device", outcome="replayed")): 2400.0,
         ("kvscope_invalidations_total", lbl(**EM, form="swa_window", reason="swa_evicted")): 1.0,
         ("kvscope_requests_total", lbl(**EM)): 2.0,
         ("kvscope_prompt_tokens_total", lbl(**EM)): 4000.0,
@@ -61,17 +64,41 @@ def test_metrics_after_known_batch_duplicate_and_rejected(client: TestClient, ba
         ("kvscope_recomputed_tokens_total", lbl(**EM)): 800.0,
         ("kvscope_ingest_batches_total", lbl(status="stored")): 1.0,
         ("kvscope_ingest_batches_total", lbl(status="duplicate")): 1.0,
-        ("kvscope_ingest_batches_total", lbl(status="rejected")): 1.0,
+        ("kvscope_ingest_batches_total", lbl(status="rejected")): 2.0,
+        ("kvscope_ingest_rejected_batches_total", lbl(reason="invalid")): 1.0,
+        ("kvscope_ingest_rejected_batches_total", lbl(reason="content_type")): 1.0,
         ("kvscope_ingest_events_total", lbl(kind="cache_lookup")): 4.0,
         ("kvscope_ingest_events_total", lbl(kind="request")): 2.0,
         ("kvscope_ingest_events_total", lbl(kind="engine_stats")): 1.0,
         ("kvscope_ingest_events_total", lbl(kind="block")): 1.0,
+        # the known batch is seq 1: seq 0 was never received
+        ("kvscope_ingest_seq_gaps_total", ()): 1.0,
+        ("kvscope_ingest_missing_batches", ()): 1.0,
+        ("kvscope_ingest_queue_events", ()): 0.0,
     }  # fmt: skip
+    host = lbl(**EM, form="full_kv", tier="host")
+    replayed = lbl(**EM, form="linear_state", tier="device")
+    # recovered full_kv from host took 0.25 s; the replayed linear state reported 0 s
+    assert histograms[("kvscope_recovery_seconds_bucket", lbl(**dict(host), le="0.1"))] == 0.0
+    assert histograms[("kvscope_recovery_seconds_bucket", lbl(**dict(host), le="0.25"))] == 1.0
+    assert histograms[("kvscope_recovery_seconds_sum", host)] == 0.25
+    assert histograms[("kvscope_recovery_seconds_bucket", lbl(**dict(replayed), le="0.001"))] == 1.0
+    assert histograms[("kvscope_recovery_seconds_count", replayed)] == 1.0
+    assert {k[1] for k in histograms if k[0] == "kvscope_recovery_seconds_count"} == {host, replayed}
+    # TTFTs 0.125 s and 0.1 s
+    assert histograms[("kvscope_request_ttft_seconds_bucket", lbl(**EM, le="0.05"))] == 0.0
+    assert histograms[("kvscope_request_ttft_seconds_bucket", lbl(**EM, le="0.1"))] == 1.0
+    assert histograms[("kvscope_request_ttft_seconds_bucket", lbl(**EM, le="0.25"))] == 2.0
+    assert histograms[("kvscope_request_ttft_seconds_sum", lbl(**EM))] == 0.225
+    # the events are ~2 minutes old: every one lands in the 60 s < lag <= 300 s bucket
+    assert histograms[("kvscope_ingest_lag_seconds_bucket", lbl(le="60.0"))] == 0.0
+    assert histograms[("kvscope_ingest_lag_seconds_bucket", lbl(le="300.0"))] == 8.0
+    assert histograms[("kvscope_ingest_lag_seconds_count", ())] == 8.0
 
 
 def test_each_app_has_its_own_registry() -> None:
     first, second = AgentMetrics(), AgentMetrics()
-    first.observe_rejected()
+    first.observe_rejected("invalid")
     assert first.registry is not second.registry
     assert first.ingest_batches.labels(status="rejected")._value.get() == 1.0
     assert second.ingest_batches.labels(status="rejected")._value.get() == 0.0

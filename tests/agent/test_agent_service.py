@@ -6,13 +6,15 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from agent_testdata import batch, json_body, known_events
+from agent_testdata import batch, json_body, known_events, minute_start
 from fastapi.testclient import TestClient
 
 from agent.app import create_app
 from agent.config import AgentConfig, ConfigError, load_config
+from agent.ingest import ingest_batch
 from agent.migrations import MIGRATIONS, SCHEMA_VERSION
-from agent.store import Store, StoreClosedError
+from agent.store import Store, StoreClosedError, utc_now
+from engine.events import decode_batch
 
 JSON = {"content-type": "application/json"}
 
@@ -109,7 +111,8 @@ def test_store_is_locked_down(store: Store, tmp_path: Path) -> None:
 def test_failed_transaction_rolls_back(store: Store) -> None:
     with pytest.raises(RuntimeError, match="boom"), store.transaction() as cur:
         cur.execute(
-            "INSERT INTO ingest_batches VALUES ('e1', 1, now()::TIMESTAMP, 0, 'stored', NULL)"
+            "INSERT INTO ingest_batches (engine_id, seq, received_at, rows, status) "
+            "VALUES ('e1', 1, now()::TIMESTAMP, 0, 'stored')"
         )
         raise RuntimeError("boom")
     with store.cursor() as cur:
@@ -141,6 +144,39 @@ def test_load_config(tmp_path: Path) -> None:
     assert load_config(empty) == AgentConfig()
 
 
+def test_load_config_buffers_retention_export(tmp_path: Path) -> None:
+    """The issue-6 keys: the ingest buffer and its full policy, decode workers, retention,
+    export and checkpoints, all from one YAML file."""
+    path = tmp_path / "agent.yaml"
+    path.write_text(
+        "data_dir: /srv/kvscope\ndecode_processes: 0\ningest_queue_max_events: 5000\n"
+        "ingest_full_policy: block\ningest_block_timeout_seconds: 2\nflush_max_events: 2000\n"
+        "rollup_interval_seconds: 30\nraw_retention_hours: 24\nrollup_retention_days: null\n"
+        "export_enabled: false\nexport_dir: /srv/parquet\nexport_lag_seconds: 300\n"
+        "checkpoint_interval_seconds: 60\ncheckpoint_wal_bytes: 1048576\ngpu_sample_seconds: null\n"
+    )
+    config = load_config(path)
+    assert config == AgentConfig(
+        data_dir=Path("/srv/kvscope"),
+        decode_processes=0,
+        ingest_queue_max_events=5000,
+        ingest_full_policy="block",
+        ingest_block_timeout_seconds=2.0,
+        flush_max_events=2000,
+        rollup_interval_seconds=30.0,
+        raw_retention_hours=24.0,
+        rollup_retention_days=None,
+        export_enabled=False,
+        export_dir=Path("/srv/parquet"),
+        export_lag_seconds=300,
+        checkpoint_interval_seconds=60.0,
+        checkpoint_wal_bytes=1048576,
+        gpu_sample_seconds=None,
+    )
+    assert config.parquet_dir == Path("/srv/parquet")
+    assert AgentConfig(data_dir=Path("/d")).parquet_dir == Path("/d/export")
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -152,6 +188,10 @@ def test_load_config(tmp_path: Path) -> None:
         ("alert_threshold: 1.5\n", "threshold must be a ratio in (0, 1], got 1.5"),
         ("- 1\n- 2\n", "expected a mapping of settings, got list"),
         ("port: [\n", "invalid YAML"),
+        ("ingest_full_policy: drop\n", "ingest_full_policy must be one of reject, block, got 'drop'"),
+        ("export_enabled: 1\n", "key 'export_enabled' must be bool, got int 1"),
+        ("raw_retention_hours: 0\n", "raw_retention_hours must be > 0 or null, got 0.0"),
+        ("decode_processes: -1\n", "decode_processes must be >= 0, got -1"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, message: str) -> None:
@@ -185,7 +225,8 @@ def test_config_validation(changes: dict[str, object], message: str) -> None:
 
 def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
     """Migration 2 adds the admission's predicted and actual seconds to ``requests``; rows
-    stored under version 1 keep their values and read 0 there."""
+    stored under version 1 keep their values and read 0 there. Migration 3 follows; a batch
+    stored before it (no digest) is still a duplicate when re-sent."""
     import duckdb
 
     from agent.store import _migrate
@@ -197,10 +238,13 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         "INSERT INTO requests VALUES (now()::TIMESTAMP, 'e1', 'r1', 'm1', 100, 1, 64, 64, 64, 0, 36, false, "
         "NULL, 'none', 'exact', 0.5, 0.6, now()::TIMESTAMP)"
     )
+    con.execute("INSERT INTO ingest_batches VALUES ('e1', 0, now()::TIMESTAMP, 8, 'stored', NULL)")
     con.close()
     store = Store.open(path)
     try:
-        assert store.open_report.applied == (2,) and store.schema_version == SCHEMA_VERSION
+        assert store.open_report.applied == (2, 3) and store.schema_version == SCHEMA_VERSION
+        resent = ingest_batch(store, decode_batch(json_body(batch(0, known_events(minute_start())))), received_at=utc_now())
+        assert resent.status == "duplicate"
         with store.cursor() as cur:
             rows = cur.execute("SELECT request_id, ttft_seconds, predicted_seconds, actual_seconds FROM requests").fetchall()
         assert rows == [("r1", 0.5, 0.0, 0.0)]

@@ -1,0 +1,92 @@
+"""Decoding event batches off the agent's main thread — in worker processes by default.
+
+Decoding a batch (msgspec), checking it, building its Arrow tables and its metrics summary is
+pure Python and holds the GIL for milliseconds per thousand events. In the agent's process that
+would compete with the ingest flusher, whose DuckDB calls need the GIL between steps, and slow
+every commit. :class:`BatchDecoder` therefore runs :func:`decode_for_ingest` in a pool of
+``processes`` worker processes (``forkserver``/``spawn``: safe beside threads); with
+``processes=0`` it uses a small thread pool instead (tests, tiny deployments).
+
+The worker returns a :class:`Decoded` (prepared batch + metrics summary) or a :class:`Invalid`
+(the path and reason of the contract violation) — never raises for bad input, so nothing
+user-caused crosses the process boundary as an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from agent.ingest import PreparedBatch, prepare_batch
+from agent.metrics import BatchSummary, summarize_tables
+from engine.events import ContentFormat, EventError, decode_batch
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A valid batch, ready for the ingest queue."""
+
+    batch: PreparedBatch
+    summary: BatchSummary
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    """A batch that breaks the contract: ``path`` names the field."""
+
+    path: str
+    reason: str
+
+    def error(self) -> EventError:
+        return EventError(self.path, self.reason)
+
+
+def decode_for_ingest(body: bytes, fmt: ContentFormat) -> Decoded | Invalid:
+    """Decode, check and prepare one request body (what a decode worker runs)."""
+    try:
+        batch = decode_batch(body, fmt)
+    except EventError as exc:
+        return Invalid(exc.path, exc.reason)
+    prepared = prepare_batch(batch)
+    return Decoded(prepared, summarize_tables(prepared.tables))
+
+
+class BatchDecoder:
+    """Runs :func:`decode_for_ingest` in ``processes`` worker processes, or in threads when
+    ``processes`` is 0.
+
+    Raises:
+        ValueError: ``processes`` is negative.
+    """
+
+    def __init__(self, processes: int) -> None:
+        if processes < 0:
+            raise ValueError(f"decode processes must be >= 0, got {processes}")
+        self.processes = processes
+        self._executor: Executor
+        if processes:
+            method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+            self._executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context(method))
+        else:
+            self._executor = ThreadPoolExecutor(2, thread_name_prefix="kvscope-decode")
+
+    async def decode(self, body: bytes, fmt: ContentFormat) -> Decoded | Invalid:
+        """Decode one body on the pool.
+
+        Raises:
+            concurrent.futures.process.BrokenProcessPool: a worker died (the caller answers 503).
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, decode_for_ingest, body, fmt)
+
+    def warm_up(self) -> None:
+        """Start every worker now (imports take a second) instead of at the first batch."""
+        if self.processes:
+            futures = [self._executor.submit(decode_for_ingest, b"", "json") for _ in range(self.processes)]
+            for future in futures:
+                future.result()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

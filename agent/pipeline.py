@@ -1,0 +1,225 @@
+"""The ingest pipeline: a bounded queue of prepared batches and one flusher thread that commits
+them in groups (group commit).
+
+Contract:
+
+* A request thread decodes and prepares its batch (:func:`agent.ingest.prepare_batch`), then
+  :meth:`Ingestor.submit` puts it on the queue and gets a ``Future``; the HTTP answer waits for
+  that future, so a batch is acknowledged **only after the transaction holding it committed**
+  (DuckDB writes and syncs its WAL at commit). A crash loses at most what was not acknowledged,
+  and the client re-sends it (the same seq: stored once).
+* The queue is bounded by ``max_queue_events`` events. When a batch does not fit, the declared
+  full policy applies: ``reject`` raises :class:`QueueFull` at once (the agent answers 503 with
+  ``Retry-After``; the engine's client backs off and spools), ``block`` waits up to
+  ``block_timeout_seconds`` for room, then raises :class:`QueueFull`. A batch larger than the
+  whole queue is accepted when the queue is empty (it could never fit otherwise).
+* The flusher takes everything queued (up to ``flush_max_events`` events, at least one batch)
+  and writes it with :func:`agent.ingest.write_batches` in one transaction, stamping
+  ``ingested_at`` in strictly increasing order (what :func:`agent.ingest.fold_cache_minute`
+  relies on). If that group fails, each of its batches is retried alone, so one failing batch
+  never fails the others. The flusher does only database work; event metrics are counted by the
+  request that receives the outcome (:meth:`agent.metrics.AgentMetrics.observe_ingest`), so they
+  are up to date when its answer is sent.
+* :meth:`Ingestor.close` stops accepting, flushes what is queued and joins the thread.
+
+Peers: the OpenTelemetry Collector's ``batch`` processor and Vector's buffers (bounded, with a
+declared ``when_full`` policy of ``block`` or ``drop_newest``); here "drop" is a 503 so the
+sender keeps the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+
+import duckdb
+
+from agent.ingest import IngestOutcome, PreparedBatch, SeqTracker, latest_ingested_at, write_batches
+from agent.metrics import AgentMetrics
+from agent.store import Store, StoreClosedError, utc_now
+
+log = logging.getLogger(__name__)
+
+FullPolicy = Literal["reject", "block"]
+FULL_POLICIES: tuple[FullPolicy, ...] = ("reject", "block")
+
+
+class QueueFull(Exception):
+    """The ingest queue has no room for a batch (after waiting, under ``block``)."""
+
+
+class StoreWriteError(RuntimeError):
+    """A batch could not be written for a reason other than the database itself (an internal
+    error); the agent answers 503 and logs it."""
+
+
+class IngestorClosed(Exception):
+    """The ingestor is shutting down and takes no more batches."""
+
+
+@dataclass(slots=True)
+class _Item:
+    batch: PreparedBatch
+    future: Future[IngestOutcome]
+    received: float
+
+
+class Ingestor:
+    """Bounded queue + group-commit flusher over one :class:`~agent.store.Store`.
+
+    Args:
+        store: the open store (the caller closes it, after :meth:`close`).
+        metrics: updated after each commit; its queue-depth gauge reads :attr:`depth_events`.
+        max_queue_events: events the queue holds at most (≥ 1).
+        full_policy: ``reject`` or ``block`` (see the module docstring).
+        block_timeout_seconds: how long ``block`` waits for room.
+        flush_max_events: events one transaction takes at most (≥ 1).
+
+    Raises:
+        ValueError: a limit below 1 or an unknown policy.
+        duckdb.Error: the store's ``ingest_batches`` cannot be read (seq state).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        metrics: AgentMetrics,
+        *,
+        max_queue_events: int = 200_000,
+        full_policy: FullPolicy = "reject",
+        block_timeout_seconds: float = 5.0,
+        flush_max_events: int = 50_000,
+    ) -> None:
+        if max_queue_events < 1 or flush_max_events < 1:
+            raise ValueError("max_queue_events and flush_max_events must be >= 1")
+        if full_policy not in FULL_POLICIES:
+            raise ValueError(f"full_policy must be one of {FULL_POLICIES}, got {full_policy!r}")
+        self.store = store
+        self.metrics = metrics
+        self.max_queue_events = max_queue_events
+        self.full_policy: FullPolicy = full_policy
+        self.block_timeout_seconds = block_timeout_seconds
+        self.flush_max_events = flush_max_events
+        self.tracker = SeqTracker.load(store)
+        self._last_stamp: datetime | None = latest_ingested_at(store)
+        self._queue: deque[_Item] = deque()
+        self._queued_events = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._flushing = 0
+        metrics.set_ingest_queue_source(lambda: self._queued_events + self._flushing)
+        metrics.set_missing_batches_source(self.tracker.missing)
+        self._thread = threading.Thread(target=self._run, name="kvscope-ingest", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth_events(self) -> int:
+        """Events queued or being flushed now."""
+        return self._queued_events + self._flushing
+
+    def submit(self, batch: PreparedBatch) -> Future[IngestOutcome]:
+        """Queue ``batch``; the future resolves after its transaction committed.
+
+        Raises:
+            QueueFull: no room (``reject``: at once; ``block``: after the timeout).
+            IngestorClosed: :meth:`close` was called.
+        """
+        future: Future[IngestOutcome] = Future()
+        deadline = time.monotonic() + self.block_timeout_seconds
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise IngestorClosed("the agent is shutting down")
+                if self._queued_events == 0 or self._queued_events + batch.events <= self.max_queue_events:
+                    break
+                remaining = deadline - time.monotonic()
+                if self.full_policy == "reject" or remaining <= 0:
+                    raise QueueFull(
+                        f"ingest queue full ({self._queued_events} of {self.max_queue_events} "
+                        f"events queued); retry later"
+                    )
+                self._cond.wait(remaining)
+            self._queue.append(_Item(batch, future, time.time()))
+            self._queued_events += batch.events
+            self._cond.notify_all()
+        return future
+
+    def close(self, timeout_seconds: float | None = 30.0) -> None:
+        """Take no more batches, flush the queued ones, stop the thread. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_seconds)
+
+    # -- flusher thread ----------------------------------------------------------------------------
+    def _stamp(self) -> datetime:
+        """``ingested_at`` for the next flush: now, but always after the previous flush's."""
+        now = utc_now()
+        if self._last_stamp is not None and now <= self._last_stamp:
+            now = self._last_stamp + timedelta(microseconds=1)
+        self._last_stamp = now
+        return now
+
+    def _take(self) -> list[_Item] | None:
+        with self._cond:
+            while not self._queue:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            items: list[_Item] = []
+            events = 0
+            while self._queue and (not items or events + self._queue[0].batch.events <= self.flush_max_events):
+                item = self._queue.popleft()
+                items.append(item)
+                events += item.batch.events
+            self._queued_events -= events
+            self._flushing = events
+            self._cond.notify_all()
+            return items
+
+    def _run(self) -> None:
+        while True:
+            items = self._take()
+            if items is None:
+                return
+            try:
+                self._flush(items)
+            except BaseException as exc:  # never leave a request waiting forever
+                for item in items:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                log.exception("ingest flush failed")
+            finally:
+                with self._cond:
+                    self._flushing = 0
+
+    def _flush(self, items: list[_Item]) -> None:
+        groups = [items]
+        while groups:
+            group = groups.pop(0)
+            at = self._stamp()
+            try:
+                outcomes = write_batches(self.store, self.tracker, [i.batch for i in group], ingested_at=at)
+            except Exception as exc:
+                if len(group) > 1:
+                    groups[:0] = [[item] for item in group]
+                    continue
+                log.error("batch seq=%d of %s not stored: %s", group[0].batch.seq, group[0].batch.engine_id, exc)
+                self.metrics.observe_rejected("store_error")
+                group[0].future.set_exception(exc if isinstance(exc, duckdb.Error | StoreClosedError) else StoreWriteError(str(exc)))
+                continue
+            for item, outcome in zip(group, outcomes, strict=True):
+                if outcome.gap is not None:
+                    self.metrics.seq_gaps.inc()
+                    log.warning(
+                        "engine %s skipped seqs %d..%d (never received: dropped by its client or still in flight)",
+                        outcome.engine_id,
+                        *outcome.gap,
+                    )
+                item.future.set_result(outcome)

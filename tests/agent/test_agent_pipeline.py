@@ -1,0 +1,351 @@
+"""Issue 6, the store side: group-commit pipeline (full policy), seq gaps and seq reuse,
+``cache_minute`` rollups (exact merges, late events, restarts), hourly Parquet export and
+retention, the maintenance jobs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+from agent_testdata import batch, json_body, known_events, lookup_event, minute_start
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.config import AgentConfig
+from agent.ingest import SeqRanges, SeqTracker, fold_cache_minute, ingest_batch, prepare_batch
+from agent.maintenance import MaintenanceScheduler, apply_retention, export_parquet
+from agent.metrics import AgentMetrics
+from agent.migrations import bucket_column
+from agent.pipeline import Ingestor, QueueFull
+from agent.store import Store, to_timestamp, utc_now
+from engine.events import decode_batch
+
+JSON = {"content-type": "application/json"}
+
+
+def gauge(client: TestClient, name: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and not sample.labels:
+                return sample.value
+    raise AssertionError(f"{name} not exported")
+
+
+def sql(client: TestClient, query: str) -> list[list[Any]]:
+    response = client.post("/v1/sql", json={"sql": query})
+    assert response.status_code == 200, response.text
+    rows: list[list[Any]] = response.json()["rows"]
+    return rows
+
+
+def store_batch(store: Store, seq: int, events: list[dict[str, Any]], engine_id: str = "e1") -> str:
+    return ingest_batch(store, decode_batch(json_body(batch(seq, events, engine_id))), received_at=utc_now()).status
+
+
+# -- seqs -----------------------------------------------------------------------------------------
+def test_seq_ranges_count_members_and_holes() -> None:
+    ranges = SeqRanges()
+    for seq in (0, 1, 2, 5, 4, 9):
+        ranges.add(seq)
+    assert (ranges.max, ranges.count, ranges.missing) == (9, 6, 4)  # 3, 6, 7, 8 never came
+    assert 4 in ranges and 3 not in ranges
+    ranges.add(3)
+    ranges.add(3)
+    assert (ranges.count, ranges.missing) == (7, 3)
+    with pytest.raises(ValueError, match="not above"):
+        ranges.add_range(8, 12)
+
+
+def test_gaps_are_recorded_exported_and_filled(client: TestClient, base: int) -> None:
+    events = known_events(base)
+    assert client.post("/v1/events", content=json_body(batch(0, events)), headers=JSON).status_code == 200
+    assert client.post("/v1/events", content=json_body(batch(3, events)), headers=JSON).status_code == 200
+    assert sql(client, "SELECT engine_id, first_missing, last_missing FROM ingest_gaps") == [["e1", 1, 2]]
+    assert gauge(client, "kvscope_ingest_missing_batches") == 2.0
+    assert gauge(client, "kvscope_ingest_seq_gaps_total") == 1.0
+    gaps = client.get("/v1/query/ingest_seq_gaps").json()["rows"]
+    assert gaps == [["e1", 3, 2, 2]]
+    # seq 1 arrives late (a spool replay); seq 2 was rejected: received, so not missing
+    assert client.post("/v1/events", content=json_body(batch(1, events)), headers=JSON).status_code == 200
+    bad = batch(2, [lookup_event(base, "r9", usable_tokens=5)])  # usable > hash_hit
+    assert client.post("/v1/events", content=json_body(bad), headers=JSON).status_code == 422
+    assert gauge(client, "kvscope_ingest_missing_batches") == 0.0
+    assert client.get("/v1/query/ingest_seq_gaps").json()["rows"] == [["e1", 3, 4, 0]]
+    assert gauge(client, "kvscope_ingest_seq_gaps_total") == 1.0  # a late fill is not a new gap
+
+
+def test_seq_reused_with_other_events_is_409_and_stores_nothing(client: TestClient, base: int) -> None:
+    first = json_body(batch(0, known_events(base)))
+    assert client.post("/v1/events", content=first, headers=JSON).json()["status"] == "stored"
+    other = json_body(batch(0, [lookup_event(base, "other")]))
+    response = client.post("/v1/events", content=other, headers=JSON)
+    assert response.status_code == 409, response.text
+    assert response.json()["error"]["path"] == "$.seq"
+    assert "already stored with other events" in response.json()["error"]["reason"]
+    assert sql(client, "SELECT count(*) FROM cache_lookups") == [[4]]
+    assert sql(client, "SELECT status, rows FROM ingest_batches ORDER BY received_at") == [
+        ["stored", 8],
+        ["rejected", 0],
+    ]
+    # the same events re-sent (new sent_at, JSON key order irrelevant) are a duplicate
+    again = json_body(batch(0, known_events(base)))
+    assert client.post("/v1/events", content=again, headers=JSON).json()["status"] == "duplicate"
+    counts = {
+        s.labels["reason"]: s.value
+        for f in text_string_to_metric_families(client.get("/metrics").text)
+        for s in f.samples
+        if s.name == "kvscope_ingest_rejected_batches_total"
+    }
+    assert counts == {"seq_conflict": 1.0}
+
+
+def test_tracker_reloads_from_the_store(store: Store, base: int) -> None:
+    for seq in (0, 1, 2, 6):
+        assert store_batch(store, seq, known_events(base)) == "stored"
+    tracker = SeqTracker.load(store)
+    assert tracker.missing() == {"e1": 3}
+    assert tracker.is_stored("e1", 6) and not tracker.is_stored("e1", 3)
+    assert store_batch(store, 6, known_events(base)) == "duplicate"
+
+
+# -- the pipeline's full policy -------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["reject", "block"])
+def test_full_queue_refuses_then_drains(store: Store, base: int, policy: str) -> None:
+    ingestor = Ingestor(
+        store,
+        AgentMetrics(),
+        max_queue_events=10,
+        full_policy=policy,  # type: ignore[arg-type]
+        block_timeout_seconds=0.3,
+    )
+    prepared = [prepare_batch(decode_batch(json_body(batch(seq, known_events(base))))) for seq in range(3)]
+    try:
+        with store.transaction():  # the flusher blocks on the writer lock meanwhile
+            first = ingestor.submit(prepared[0])
+            deadline = time.monotonic() + 10
+            while ingestor.depth_events != 8 or ingestor._queue:
+                assert time.monotonic() < deadline, "the flusher did not take the first batch"
+                time.sleep(0.01)
+            second = ingestor.submit(prepared[1])  # 8 queued events fit under 10
+            started = time.monotonic()
+            with pytest.raises(QueueFull, match="ingest queue full"):
+                ingestor.submit(prepared[2])  # 8 + 8 > 10
+            waited = time.monotonic() - started
+            assert ingestor.depth_events == 16
+            assert (waited >= 0.3) if policy == "block" else (waited < 0.3)
+        assert first.result(10).status == "stored" and second.result(10).status == "stored"
+        assert ingestor.submit(prepared[2]).result(10).status == "stored"
+    finally:
+        ingestor.close()
+    with store.cursor() as cur:
+        assert cur.execute("SELECT count(*) FROM requests").fetchall() == [(6,)]
+
+
+def test_a_failing_batch_does_not_fail_its_group(store: Store, base: int) -> None:
+    """One flush holds several batches; when the group's transaction fails, each batch is retried
+    alone, so only the batch that cannot be written fails."""
+    ingestor = Ingestor(store, AgentMetrics())
+    good = prepare_batch(decode_batch(json_body(batch(0, known_events(base)))))
+    bad = prepare_batch(decode_batch(json_body(batch(1, known_events(base)))))
+    object.__setattr__(bad, "tables", {**bad.tables, "requests": bad.tables["requests"].drop_columns(["model"])})
+    try:
+        with store.transaction():
+            futures = [ingestor.submit(good), ingestor.submit(bad)]
+        assert futures[0].result(10).status == "stored"
+        with pytest.raises(duckdb.Error, match="model"):
+            futures[1].result(10)
+        assert store_batch(store, 2, known_events(base)) == "stored"
+    finally:
+        ingestor.close()
+
+
+# -- cache_minute ---------------------------------------------------------------------------------
+def raw_minutes(store: Store) -> list[tuple[Any, ...]]:
+    with store.cursor() as cur:
+        return cur.execute(
+            """
+            SELECT date_trunc('minute', ts), engine_id, model, form, tier, outcome, reason,
+                   count(*), count(*) FILTER (WHERE approximate), sum(hash_hit_tokens),
+                   sum(usable_tokens), sum(recoverable_tokens), sum(replayed_tokens),
+                   sum(bytes_moved), sum(recovery_seconds),
+                   count(*) FILTER (WHERE recovery_seconds <= 0.1),
+                   count(*) FILTER (WHERE recovery_seconds <= 0.25)
+            FROM cache_lookups GROUP BY ALL ORDER BY ALL
+            """
+        ).fetchall()
+
+
+def rolled_minutes(store: Store) -> list[tuple[Any, ...]]:
+    with store.cursor() as cur:
+        return cur.execute(
+            f"""
+            SELECT minute, engine_id, model, form, tier, outcome, reason, lookups,
+                   approximate_lookups, hash_hit_tokens, usable_tokens, recoverable_tokens,
+                   replayed_tokens, bytes_moved, recovery_seconds_sum,
+                   {bucket_column(0.1)}, {bucket_column(0.25)}
+            FROM cache_minute ORDER BY ALL
+            """
+        ).fetchall()
+
+
+def test_cache_minute_equals_raw_rows_with_late_events_and_restarts(tmp_path: Path, base: int) -> None:
+    path = tmp_path / "kvscope.duckdb"
+    with Store.open(path) as store:
+        assert fold_cache_minute(store) == 0
+        store_batch(store, 0, known_events(base))
+        assert fold_cache_minute(store) == 4
+        assert rolled_minutes(store) == raw_minutes(store)
+        # the host swap-in took 0.25 s: in le 0.25, not in le 0.1
+        host = [r for r in rolled_minutes(store) if r[4] == "host"]
+        assert [(r[7], r[15], r[16]) for r in host] == [(1, 0, 1)]
+        # a second batch with the same minute and a late one ten minutes back
+        late = [lookup_event(base - 600, "late", tier="host", recovery_seconds=0.05, outcome="recovered", reason="kv_evicted", hash_hit_tokens=64, usable_tokens=64, recoverable_tokens=64)]
+        store_batch(store, 1, known_events(base) + late)
+        assert fold_cache_minute(store) == 5
+        assert fold_cache_minute(store) == 0  # folded exactly once
+    with Store.open(path) as store:  # the watermark survives a restart
+        assert fold_cache_minute(store) == 0
+        rolled = rolled_minutes(store)
+        assert rolled == raw_minutes(store)
+        assert sum(r[7] for r in rolled) == 9
+        assert [r[0] for r in rolled if r[3] == "full_kv" and r[4] == "host" and r[15] == 1] == [to_timestamp(base - 600)]
+
+
+def test_rollup_windows_merge_exactly_through_the_named_query(loaded: TestClient, store: Store, base: int) -> None:
+    fold_cache_minute(store)
+    rows = loaded.get("/v1/query/form_window?since_seconds=86400").json()["rows"]
+    assert rows == [
+        ["full_kv", "device", 1, 800, 600, 0.75, 1],
+        ["full_kv", "host", 1, 3000, 2400, 0.8, 0],
+        ["linear_state", "device", 1, 3000, 2400, 0.8, 1],
+        ["swa_window", "device", 1, 800, 600, 0.75, 1],
+    ]
+
+
+# -- export and retention --------------------------------------------------------------------------
+def test_hourly_parquet_export_by_date_and_form_reexport_and_retention(store: Store, tmp_path: Path) -> None:
+    hour = (int(time.time()) // 3600 - 3) * 3600  # three hours ago, on the hour
+    store_batch(store, 0, known_events(hour + 10) + known_events(hour + 3600 + 10))
+    export_dir = tmp_path / "export"
+    now = hour + 2 * 3600 + 120  # both hours finished more than a minute ago
+    done = export_parquet(store, export_dir, now=now, lag_seconds=60)
+    assert sorted((d.table, d.hour, d.rows) for d in done) == sorted(
+        (table, to_timestamp(h), n)
+        for h in (hour, hour + 3600)
+        for table, n in (("cache_lookups", 4), ("requests", 2), ("engine_stats", 1), ("block_events", 1))
+    )
+    stamp = to_timestamp(hour)
+    folder = export_dir / "cache_lookups" / f"date={stamp:%Y-%m-%d}"
+    name = f"cache_lookups-{stamp:%Y%m%dT%H}.parquet"
+    forms = sorted(p.name for p in folder.iterdir() if (p / name).exists())
+    assert forms == ["form=full_kv", "form=linear_state", "form=swa_window"]
+    full_kv = pq.read_table(folder / "form=full_kv" / name)
+    assert full_kv.num_rows == 2 and "form" not in full_kv.column_names
+    assert (export_dir / "requests" / f"date={stamp:%Y-%m-%d}" / f"requests-{stamp:%Y%m%dT%H}.parquet").exists()
+    # DuckDB reads the partitions back with the form column restored
+    con = duckdb.connect()
+    glob = str(export_dir / "cache_lookups" / "**" / "*.parquet")
+    assert con.execute(
+        f"SELECT form, count(*) FROM read_parquet('{glob}', hive_partitioning = true) GROUP BY 1 ORDER BY 1"
+    ).fetchall() == [("full_kv", 4), ("linear_state", 2), ("swa_window", 2)]
+    # nothing new: nothing re-exported; a late event re-exports only its hour
+    assert export_parquet(store, export_dir, now=now, lag_seconds=60) == []
+    store_batch(store, 1, [lookup_event(hour + 20, "late", form="linear_state", outcome="miss", reason="no_prefix_match")])
+    again = export_parquet(store, export_dir, now=now, lag_seconds=60)
+    assert [(d.table, d.hour, d.rows) for d in again] == [("cache_lookups", stamp, 5)]
+    # the unfinished current hour is never exported
+    assert all(d.hour < to_timestamp(now - 60) - timedelta(hours=0) for d in done + again)
+    # retention: an hour of raw rows kept at now (cutoff aligned down to the hour) → the first
+    # hour goes, the second stays; cache_minute keeps its own, longer retention
+    fold_cache_minute(store)
+    deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None)
+    assert deleted == {"cache_lookups": 5, "requests": 2, "engine_stats": 1, "block_events": 1, "gpu_stats": 0}
+    with store.cursor() as cur:
+        assert cur.execute("SELECT count(*) FROM cache_lookups").fetchall() == [(4,)]
+        assert cur.execute("SELECT count(*) FROM cache_minute").fetchall()[0][0] > 0
+
+
+def test_export_failure_skips_retention_and_is_counted(store: Store, tmp_path: Path) -> None:
+    hour = (int(time.time()) // 3600 - 3) * 3600
+    store_batch(store, 0, known_events(hour + 10))
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("x")
+    config = AgentConfig(data_dir=tmp_path, export_dir=blocker, raw_retention_hours=1.0, gpu_sample_seconds=None)
+    metrics = AgentMetrics()
+    jobs = MaintenanceScheduler(store, config, metrics, clock=lambda: hour + 3 * 3600)
+    jobs._counted("export", jobs.export_and_retain)()
+    with store.cursor() as cur:
+        assert cur.execute("SELECT count(*) FROM requests").fetchall() == [(2,)]  # not deleted
+    samples = {
+        (s.labels["job"], s.labels["status"]): s.value
+        for f in text_string_to_metric_families(metrics.exposition().decode())
+        for s in f.samples
+        if s.name == "kvscope_maintenance_runs_total"
+    }
+    assert samples == {("export", "error"): 1.0}
+    # with a writable directory the same job exports, then deletes
+    ok = MaintenanceScheduler(store, AgentConfig(data_dir=tmp_path, raw_retention_hours=1.0, gpu_sample_seconds=None), AgentMetrics(), clock=lambda: hour + 3 * 3600)
+    exported, deleted = ok.export_and_retain()
+    assert {d.table for d in exported} == {"cache_lookups", "requests", "engine_stats", "block_events"}
+    assert deleted["requests"] == 2
+
+
+def test_scheduler_runs_rollup_and_checkpoint_jobs(tmp_path: Path, base: int) -> None:
+    config = AgentConfig(
+        data_dir=tmp_path,
+        rollup_interval_seconds=0.2,
+        checkpoint_interval_seconds=0.2,
+        maintenance_interval_seconds=0.2,
+        gpu_sample_seconds=None,
+    )
+    with Store.open(config.db_path) as store:
+        store_batch(store, 0, known_events(base))
+        jobs = MaintenanceScheduler(store, config, AgentMetrics())
+        jobs.start()
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                with store.cursor() as cur:
+                    rolled = cur.execute("SELECT sum(lookups) FROM cache_minute").fetchall()[0][0]
+                done = {k for k, v in _runs(jobs).items() if v >= 1}
+                if rolled == 4 and {("rollup", "ok"), ("checkpoint", "ok"), ("export", "ok")} <= done:
+                    break
+                assert time.monotonic() < deadline, (rolled, done)
+                time.sleep(0.05)
+        finally:
+            jobs.shutdown()
+        assert ("rollup", "error") not in _runs(jobs)
+
+
+def _runs(jobs: MaintenanceScheduler) -> dict[tuple[str, str], float]:
+    return {
+        (labels[0], labels[1]): metric._value.get()
+        for labels, metric in jobs.runs._metrics.items()
+    }
+
+
+def test_concurrent_posts_are_grouped_and_all_stored(client: TestClient) -> None:
+    base = minute_start(-2)
+    errors: list[str] = []
+
+    def sender(engine: str) -> None:
+        for seq in range(5):
+            events = [dict(e, engine_id=engine) for e in known_events(base)]
+            response = client.post("/v1/events", content=json_body(batch(seq, events, engine)), headers=JSON)
+            if response.status_code != 200:
+                errors.append(response.text)
+
+    threads = [threading.Thread(target=sender, args=(f"e{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sql(client, "SELECT count(*), count(DISTINCT engine_id) FROM requests") == [[40, 4]]
+    assert client.get("/v1/query/ingest_seq_gaps").json()["rows"] == [[f"e{i}", 4, 5, 0] for i in range(4)]
