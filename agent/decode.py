@@ -10,12 +10,19 @@ every commit. :class:`BatchDecoder` therefore runs :func:`decode_for_ingest` in 
 The worker returns a :class:`Decoded` (prepared batch + metrics summary) or a :class:`Invalid`
 (the path and reason of the contract violation) — never raises for bad input, so nothing
 user-caused crosses the process boundary as an exception.
+
+A worker watches the agent's pid and exits when the agent is gone: ``ProcessPoolExecutor``
+workers otherwise outlive an agent killed with SIGKILL (they hold their own queue's pipe open and
+never see end-of-file).
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -53,6 +60,26 @@ def decode_for_ingest(body: bytes, fmt: ContentFormat) -> Decoded | Invalid:
     return Decoded(prepared, summarize_tables(prepared.tables))
 
 
+PARENT_POLL_SECONDS = 1.0
+
+
+def _watch_parent(pid: int) -> None:
+    """Worker initializer: exit this worker (at once, without cleanup: it holds no state) once
+    process ``pid`` — the agent — no longer exists."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_SECONDS)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:  # a reused pid owned by someone else: ours is gone
+                os._exit(0)
+
+    threading.Thread(target=watch, name="kvscope-parent-watch", daemon=True).start()
+
+
 class BatchDecoder:
     """Runs :func:`decode_for_ingest` in ``processes`` worker processes, or in threads when
     ``processes`` is 0.
@@ -68,7 +95,12 @@ class BatchDecoder:
         self._executor: Executor
         if processes:
             method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-            self._executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context(method))
+            self._executor = ProcessPoolExecutor(
+                processes,
+                mp_context=multiprocessing.get_context(method),
+                initializer=_watch_parent,
+                initargs=(os.getpid(),),
+            )
         else:
             self._executor = ThreadPoolExecutor(2, thread_name_prefix="kvscope-decode")
 
