@@ -234,14 +234,17 @@ def create_app(
         try:
             decoded = await decoder.decode(body, fmt)
         except BrokenProcessPool:
-            return _retry_later("a decode worker died; send the batch again")
+            metrics.observe_rejected("decode_error")
+            return _retry_later("a decode worker died twice in a row; send the batch again")
         if isinstance(decoded, Invalid):
             error = decoded.error()
-            await run_in_threadpool(
+            filed = await run_in_threadpool(
                 lambda: record_rejected(
                     target, body, fmt, error, received_at=utc_now(), tracker=ingestor.tracker
                 )
             )
+            if isinstance(filed, tuple):
+                metrics.seq_gaps.inc()
             metrics.observe_rejected("invalid")
             return error_response(422, error.reason, path=error.path)
         prepared = decoded.batch
@@ -256,7 +259,9 @@ def create_app(
         except IngestorClosed as exc:
             return _retry_later(str(exc))
         try:
-            outcome = await asyncio.wrap_future(future)
+            # shielded: a cancelled request must not cancel the flush's future, whose batch may
+            # already be committed together with others
+            outcome = await asyncio.shield(asyncio.wrap_future(future))
         except (duckdb.Error, StoreClosedError, StoreWriteError) as exc:
             return _retry_later(f"the store could not write this batch ({type(exc).__name__}); send it again")
         metrics.observe_ingest(outcome, decoded.summary)

@@ -23,6 +23,7 @@ Command-line flags override file values with :func:`dataclasses.replace`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -119,6 +120,10 @@ class AgentConfig:
     gpu_sample_seconds: float | None = 15.0
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:

@@ -19,11 +19,13 @@ never see end-of-file).
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import threading
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from agent.ingest import PreparedBatch, prepare_batch
@@ -60,6 +62,8 @@ def decode_for_ingest(body: bytes, fmt: ContentFormat) -> Decoded | Invalid:
     return Decoded(prepared, summarize_tables(prepared.tables))
 
 
+log = logging.getLogger(__name__)
+
 PARENT_POLL_SECONDS = 1.0
 
 
@@ -92,26 +96,46 @@ class BatchDecoder:
         if processes < 0:
             raise ValueError(f"decode processes must be >= 0, got {processes}")
         self.processes = processes
-        self._executor: Executor
-        if processes:
-            method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-            self._executor = ProcessPoolExecutor(
-                processes,
-                mp_context=multiprocessing.get_context(method),
-                initializer=_watch_parent,
-                initargs=(os.getpid(),),
-            )
-        else:
-            self._executor = ThreadPoolExecutor(2, thread_name_prefix="kvscope-decode")
+        self.restarts = 0
+        """How many times a broken worker pool was replaced."""
+        self._lock = threading.Lock()
+        self._executor: Executor = self._new_executor()
+
+    def _new_executor(self) -> Executor:
+        if not self.processes:
+            return ThreadPoolExecutor(2, thread_name_prefix="kvscope-decode")
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        return ProcessPoolExecutor(
+            self.processes,
+            mp_context=multiprocessing.get_context(method),
+            initializer=_watch_parent,
+            initargs=(os.getpid(),),
+        )
 
     async def decode(self, body: bytes, fmt: ContentFormat) -> Decoded | Invalid:
-        """Decode one body on the pool.
+        """Decode one body on the pool. When a worker died (the pool is broken: an OOM kill,
+        say), a new pool replaces it and the body is tried once more.
 
         Raises:
-            concurrent.futures.process.BrokenProcessPool: a worker died (the caller answers 503).
+            concurrent.futures.process.BrokenProcessPool: the new pool broke too (the caller
+                answers 503).
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, decode_for_ingest, body, fmt)
+        executor = self._executor
+        try:
+            return await loop.run_in_executor(executor, decode_for_ingest, body, fmt)
+        except BrokenProcessPool:
+            self._replace(executor)
+            return await loop.run_in_executor(self._executor, decode_for_ingest, body, fmt)
+
+    def _replace(self, broken: Executor) -> None:
+        with self._lock:
+            if self._executor is not broken:
+                return  # another request replaced it already
+            log.error("a batch decode worker died; starting a new pool of %d", self.processes)
+            self.restarts += 1
+            self._executor = self._new_executor()
+        broken.shutdown(wait=False, cancel_futures=True)
 
     def warm_up(self) -> None:
         """Start every worker now (imports take a second) instead of at the first batch."""

@@ -223,6 +223,10 @@ def prepare_batch(batch: EventBatch) -> PreparedBatch:
 _DIGEST_ENCODER = msgspec.msgpack.Encoder()
 
 
+LEGACY_SEQ_FLOOR = 2**40
+"""Seqs at or above this as an engine's first come from the old wall-clock numbering (µs)."""
+
+
 class SeqRanges:
     """A set of non-negative ints kept as sorted, disjoint, closed intervals (seqs mostly arrive
     in order, so an engine's set is one interval plus its holes)."""
@@ -251,9 +255,19 @@ class SeqRanges:
         return self._count
 
     @property
+    def min(self) -> int:
+        """The smallest member, -1 when empty."""
+        return self._starts[0] if self._starts else -1
+
+    @property
     def missing(self) -> int:
-        """How many seqs in ``[0, max]`` are not members (seqs start at 0)."""
-        return self.max + 1 - self._count
+        """How many seqs in ``[0, max]`` are not members (seqs start at 0). An engine whose
+        smallest seq is at least :data:`LEGACY_SEQ_FLOOR` numbered its batches from the wall
+        clock (clients before schema 3): counted from its smallest seq instead."""
+        if not self._count:
+            return 0
+        first = self.min if self.min >= LEGACY_SEQ_FLOOR else 0
+        return self.max + 1 - first - self._count
 
     def __contains__(self, seq: object) -> bool:
         if not isinstance(seq, int):
@@ -387,7 +401,8 @@ def write_batches(
                 outcomes.append(_outcome(item, status))
                 continue
             top = max_seen.get(item.engine_id, tracker.max_seen(item.engine_id))
-            gap = (top + 1, item.seq - 1) if item.seq > top + 1 else None
+            legacy_start = top < 0 and item.seq >= LEGACY_SEQ_FLOOR
+            gap = (top + 1, item.seq - 1) if item.seq > top + 1 and not legacy_start else None
             if gap is not None:
                 gap_rows.append((item.engine_id, *gap))
             max_seen[item.engine_id] = max(top, item.seq)
@@ -474,7 +489,8 @@ def _insert(cur: duckdb.DuckDBPyConnection, table_name: str, columns: str, table
 
 
 _BUCKET_SELECT = ", ".join(
-    f"count(*) FILTER (WHERE recovery_seconds <= {bound!r})" for bound in RECOVERY_BUCKETS
+    f"count(*) FILTER (WHERE outcome IN ('recovered', 'replayed') AND recovery_seconds <= {bound!r})"
+    for bound in RECOVERY_BUCKETS
 )
 _SUMMED = (
     "lookups",
@@ -587,10 +603,23 @@ def ingest_batch(
 
 
 def latest_ingested_at(store: Store) -> datetime | None:
-    """The newest ``ingested_at`` of ``cache_lookups`` (None when empty): a restarted flusher
-    stamps after it, so the rollup's watermark stays valid even if the clock went back."""
+    """The newest ``ingested_at`` the store knows: of any raw table, of the ``cache_minute``
+    watermark and of the Parquet export watermarks (None when there is none). A restarted
+    flusher stamps after it, so those watermarks stay valid even if the clock went back or
+    retention emptied the tables."""
     with store.cursor() as cur:
-        ((value,),) = cur.execute("SELECT max(ingested_at) FROM cache_lookups").fetchall()
+        ((value,),) = cur.execute(
+            """
+            SELECT max(v) FROM (
+                SELECT max(ingested_at) AS v FROM cache_lookups
+                UNION ALL SELECT max(ingested_at) FROM requests
+                UNION ALL SELECT max(ingested_at) FROM engine_stats
+                UNION ALL SELECT max(ingested_at) FROM block_events
+                UNION ALL SELECT max(ingested_at) FROM rollup_watermarks
+                UNION ALL SELECT max(exported_through) FROM parquet_exports WHERE table_name <> 'gpu_stats'
+            )
+            """
+        ).fetchall()
     return value if isinstance(value, datetime) else None
 
 
@@ -612,10 +641,14 @@ def record_rejected(
     *,
     received_at: datetime,
     tracker: SeqTracker | None = None,
-) -> bool:
+) -> tuple[int, int] | bool | None:
     """Best effort: file a ``rejected`` row in ``ingest_batches`` when the body's ``engine_id``
-    and ``seq`` are readable (and mark that seq received in ``tracker``, so it is not a gap).
-    Returns whether a row was written. Stores no event."""
+    and ``seq`` are readable, and mark that seq received in ``tracker`` (a rejected batch is not
+    a gap: its loss is counted as a rejection). If its seq jumps past seqs never received, the
+    gap is recorded in ``ingest_gaps`` like a stored batch's.
+
+    Returns False when no row was written, else the gap it revealed (first, last) or None.
+    Stores no event."""
     try:
         header = (
             msgspec.json.decode(body, type=_BatchHeader)
@@ -626,7 +659,10 @@ def record_rejected(
         return False
     if not 0 < len(header.engine_id) <= 256 or not 0 <= header.seq < 2**63:
         return False
+    top = tracker.max_seen(header.engine_id) if tracker is not None else header.seq - 1
     with store.transaction() as cur:
+        if header.seq > top + 1 and not (top < 0 and header.seq >= LEGACY_SEQ_FLOOR):
+            _insert_ingest_rows(cur, [], [(header.engine_id, top + 1, header.seq - 1)], received_at)
         cur.execute(
             "INSERT INTO ingest_batches (engine_id, seq, received_at, rows, status, error) "
             "VALUES ($engine_id, $seq, $received_at, 0, 'rejected', $error)",
@@ -639,4 +675,6 @@ def record_rejected(
         )
     if tracker is not None:
         tracker.mark(header.engine_id, header.seq, stored=False)
-    return True
+    if header.seq > top + 1 and not (top < 0 and header.seq >= LEGACY_SEQ_FLOOR):
+        return (top + 1, header.seq - 1)
+    return None

@@ -6,10 +6,10 @@ Jobs (each ``max_instances=1``, ``coalesce=True``; a failure is logged and count
 
 * ``rollup`` every ``rollup_interval_seconds``: :func:`agent.ingest.fold_cache_minute`.
 * ``export`` every hour, ``export_lag_seconds`` after the hour (or every
-  ``maintenance_interval_seconds``): :func:`export_parquet` for every finished hour whose row
-  count differs from what was exported (new hours, and hours that received late events), then
-  — only if the export succeeded, so nothing is deleted before it was exported —
-  :func:`apply_retention`.
+  ``maintenance_interval_seconds``): :func:`export_parquet` writes the rows of finished hours
+  stored since their last export (a late event adds a part, never rewrites one), then — only if
+  the export succeeded — :func:`apply_retention`, which deletes only rows already exported (and,
+  for lookups, folded into ``cache_minute``).
 * ``checkpoint`` every ``checkpoint_interval_seconds``: ``CHECKPOINT`` (folds the WAL into the
   file; acknowledged batches are durable in the WAL before that already).
 * ``gpu`` every ``gpu_sample_seconds`` when NVML found a GPU (:class:`agent.gpu.GpuSampler`).
@@ -17,12 +17,12 @@ Jobs (each ``max_instances=1``, ``coalesce=True``; a failure is logged and count
 Parquet layout (Hive partitioning, readable with DuckDB's
 ``read_parquet('<dir>/cache_lookups/**/*.parquet', hive_partitioning = true)``)::
 
-    <export_dir>/<table>/date=YYYY-MM-DD/form=<form>/<table>-YYYYMMDDTHH.parquet   (tables with a form)
-    <export_dir>/<table>/date=YYYY-MM-DD/<table>-YYYYMMDDTHH.parquet               (requests, gpu_stats)
+    <export_dir>/<table>/date=YYYY-MM-DD/form=<form>/<table>-YYYYMMDDTHH-<part>.parquet   (tables with a form)
+    <export_dir>/<table>/date=YYYY-MM-DD/<table>-YYYYMMDDTHH-<part>.parquet               (requests, gpu_stats)
 
 The partition column ``form`` is not repeated inside the files. Files are written through
 pyarrow (the database itself has no file access) to a temporary name and renamed, so a reader
-never sees half a file; re-exporting an hour replaces its files.
+never sees half a file; no file is ever rewritten.
 """
 
 from __future__ import annotations
@@ -64,83 +64,106 @@ EXPORTED_TABLES: dict[str, bool] = {
 HOUR = 3600
 
 
+STAMP_COLUMN: dict[str, str] = {table: "ingested_at" for table in EXPORTED_TABLES} | {"gpu_stats": "ts"}
+"""The column that orders a table's rows by when they were stored (the GPU sampler writes
+``gpu_stats`` with ``ts`` = now)."""
+
+
 @dataclass(frozen=True, slots=True)
-class ExportedHour:
-    """One (table, hour) written: ``rows`` in ``files`` Parquet files."""
+class ExportedPart:
+    """One part of one (table, hour) written: ``rows`` in ``files`` Parquet files (one per form
+    for tables partitioned by form)."""
 
     table: str
     hour: datetime
+    part: int
     rows: int
     files: tuple[Path, ...]
 
 
-def export_parquet(
-    store: Store,
-    export_dir: Path,
-    *,
-    now: float,
-    lag_seconds: int = 60,
-) -> list[ExportedHour]:
-    """Write every finished hour (ended at least ``lag_seconds`` before ``now``, unix seconds)
-    whose row count differs from its ``parquet_exports`` record; record each. Hours that
-    retention emptied have no rows, so they are never written again.
+def export_parquet(store: Store, export_dir: Path, *, now: float, lag_seconds: int = 60) -> list[ExportedPart]:
+    """Write the rows of every finished hour (ended at least ``lag_seconds`` before ``now``, unix
+    seconds) stored since that hour was last exported, as a new part; record it in
+    ``parquet_exports``. Never rewrites a file: the first export of an hour is part 0, rows that
+    arrive later (late events) go to part 1, 2, ... — so the archive keeps every row even after
+    retention deleted the hour from the database.
+
+    Which rows are new is decided by the table's stamp (``ingested_at``): the ingest flusher
+    stamps flushes in increasing order and commits them one after the other, so in one snapshot
+    every row stamped up to the newest visible stamp ``W`` is visible; rows above ``W`` are left
+    for the next run. ``exported_through`` records the stamp reached per hour.
 
     Raises:
-        OSError: a file could not be written (hours written before it stay recorded).
+        OSError: a file could not be written (parts written before it stay recorded).
         duckdb.Error: the store failed.
     """
     cutoff = to_timestamp((int(now - lag_seconds) // HOUR) * HOUR)
-    done: list[ExportedHour] = []
+    done: list[ExportedPart] = []
     for table, by_form in EXPORTED_TABLES.items():
+        stamp = STAMP_COLUMN[table]
         with store.cursor() as cur:
-            pending = cur.execute(
-                f"""
-                SELECT h.hour, h.n FROM (
-                    SELECT date_trunc('hour', ts) AS hour, count(*) AS n FROM {table}
-                    WHERE ts < $cutoff GROUP BY ALL
-                ) h
-                LEFT JOIN parquet_exports e ON e.table_name = $table AND e.hour = h.hour
-                WHERE e.rows IS NULL OR e.rows <> h.n
-                ORDER BY h.hour
-                """,
-                {"cutoff": cutoff, "table": table},
-            ).fetchall()
-        for hour, _ in pending:
-            with store.cursor() as cur:
-                fetched = cur.sql(
-                    f"SELECT * FROM {table} WHERE ts >= $start AND ts < $end",
-                    params={"start": hour, "end": hour + timedelta(hours=1)},
-                ).to_arrow_table()
-            if fetched is None:
-                raise RuntimeError(f"DuckDB returned no result for the {table} hour {hour}")
-            rows: pa.Table = fetched
-            files = _write_hour(export_dir, table, hour, rows, by_form)
-            with store.transaction() as cur:
-                cur.execute(
-                    "INSERT INTO parquet_exports VALUES ($table, $hour, $rows, $files, $at) "
-                    "ON CONFLICT (table_name, hour) DO UPDATE SET rows = EXCLUDED.rows, "
-                    "files = EXCLUDED.files, exported_at = EXCLUDED.exported_at",
-                    {
-                        "table": table,
-                        "hour": hour,
-                        "rows": rows.num_rows,
-                        "files": len(files),
-                        "at": to_timestamp(time.time()),
-                    },
-                )
-            done.append(ExportedHour(table, hour, rows.num_rows, files))
+            cur.execute("BEGIN TRANSACTION READ ONLY")
+            try:
+                ((high,),) = cur.execute(f"SELECT max({stamp}) FROM {table}").fetchall()
+                if high is None:
+                    continue
+                pending = cur.execute(
+                    f"""
+                    SELECT date_trunc('hour', t.ts) AS hour, any_value(e.exported_through),
+                           any_value(e.parts), any_value(e.rows)
+                    FROM {table} t
+                    LEFT JOIN parquet_exports e
+                        ON e.table_name = $table AND e.hour = date_trunc('hour', t.ts)
+                    WHERE t.ts < $cutoff AND t.{stamp} <= $high
+                      AND (e.exported_through IS NULL OR t.{stamp} > e.exported_through)
+                    GROUP BY 1 ORDER BY 1
+                    """,
+                    {"table": table, "cutoff": cutoff, "high": high},
+                ).fetchall()
+                for hour, through, parts, exported_rows in pending:
+                    fetched = cur.sql(
+                        f"SELECT * FROM {table} WHERE ts >= $start AND ts < $end AND {stamp} <= $high "
+                        f"AND ($through::TIMESTAMP IS NULL OR {stamp} > $through) ORDER BY {stamp}",
+                        params={"start": hour, "end": hour + timedelta(hours=1), "high": high, "through": through},
+                    ).to_arrow_table()
+                    if fetched is None:
+                        raise RuntimeError(f"DuckDB returned no result for the {table} hour {hour}")
+                    rows: pa.Table = fetched
+                    part = int(parts or 0)
+                    files = _write_part(export_dir, table, hour, part, rows, by_form)
+                    reached = pc.max(rows[stamp]).as_py()
+                    with store.transaction() as writer:
+                        writer.execute(
+                            "INSERT INTO parquet_exports VALUES ($table, $hour, $rows, $parts, $through, $at) "
+                            "ON CONFLICT (table_name, hour) DO UPDATE SET rows = EXCLUDED.rows, "
+                            "parts = EXCLUDED.parts, exported_through = EXCLUDED.exported_through, "
+                            "exported_at = EXCLUDED.exported_at",
+                            {
+                                "table": table,
+                                "hour": hour,
+                                "rows": int(exported_rows or 0) + rows.num_rows,
+                                "parts": part + 1,
+                                "through": reached,
+                                "at": to_timestamp(time.time()),
+                            },
+                        )
+                    done.append(ExportedPart(table, hour, part, rows.num_rows, files))
+            finally:
+                cur.execute("ROLLBACK")
     return done
 
 
-def _write_hour(export_dir: Path, table: str, hour: datetime, rows: pa.Table, by_form: bool) -> tuple[Path, ...]:
+def _write_part(
+    export_dir: Path, table: str, hour: datetime, part: int, rows: pa.Table, by_form: bool
+) -> tuple[Path, ...]:
     folder = export_dir / table / f"date={hour:%Y-%m-%d}"
-    name = f"{table}-{hour:%Y%m%dT%H}.parquet"
+    name = f"{table}-{hour:%Y%m%dT%H}-{part}.parquet"
     if not by_form:
         return (_write_file(folder / name, rows),)
     files = []
     for form in sorted(pc.unique(rows["form"]).to_pylist()):
-        part = rows.filter(pc.equal(rows["form"], form)).drop_columns(["form"])
-        files.append(_write_file(folder / f"form={form}" / name, part))
+        chunk = rows.filter(pc.equal(rows["form"], form)).drop_columns(["form"])
+        files.append(_write_file(folder / f"form={form}" / name, chunk))
     return tuple(files)
 
 
@@ -155,8 +178,8 @@ def _write_file(path: Path, rows: pa.Table) -> Path:
 def retention_cutoffs(
     now: float, raw_retention_hours: float | None, rollup_retention_days: float | None
 ) -> tuple[datetime | None, datetime | None]:
-    """(raw cutoff, rollup cutoff) as naive UTC, raw aligned down to an hour so an hour is
-    either whole or gone; ``None`` keeps everything."""
+    """(raw cutoff, rollup cutoff) as naive UTC, raw aligned down to an hour; ``None`` keeps
+    everything."""
     raw = None
     if raw_retention_hours is not None:
         raw = to_timestamp((int(now - raw_retention_hours * HOUR) // HOUR) * HOUR)
@@ -170,10 +193,15 @@ def apply_retention(
     now: float,
     raw_retention_hours: float | None,
     rollup_retention_days: float | None,
+    exported_only: bool = True,
 ) -> dict[str, int]:
     """Delete raw rows older than the raw cutoff (by ``ts``) and ``cache_minute`` rows older than
     the rollup cutoff (by ``minute``), in one transaction. Returns rows deleted per table.
-    ``ingest_batches`` is kept (it is what makes re-sent batches duplicates).
+
+    A raw row is deleted only once it is safe: with ``exported_only``, only if its hour's export
+    reached its stamp (so an hour never exported, or rows that arrived since, wait for the next
+    export); and a ``cache_lookups`` row only once ``cache_minute`` folded it. ``ingest_batches``
+    is kept (it is what makes re-sent batches duplicates).
 
     Raises:
         duckdb.Error: the store failed; nothing was deleted.
@@ -183,7 +211,22 @@ def apply_retention(
     with store.transaction() as cur:
         if raw is not None:
             for table in EXPORTED_TABLES:
-                ((n,),) = cur.execute(f"DELETE FROM {table} WHERE ts < $cutoff", {"cutoff": raw}).fetchall()
+                stamp = STAMP_COLUMN[table]
+                conditions = ["ts < $cutoff"]
+                if exported_only:
+                    conditions.append(
+                        f"{stamp} <= coalesce((SELECT e.exported_through FROM parquet_exports e "
+                        f"WHERE e.table_name = '{table}' AND e.hour = date_trunc('hour', {table}.ts)), "
+                        "TIMESTAMP '0001-01-01')"
+                    )
+                if table == "cache_lookups":
+                    conditions.append(
+                        "ingested_at <= coalesce((SELECT w.ingested_at FROM rollup_watermarks w "
+                        "WHERE w.name = 'cache_minute'), TIMESTAMP '0001-01-01')"
+                    )
+                ((n,),) = cur.execute(
+                    f"DELETE FROM {table} WHERE {' AND '.join(conditions)}", {"cutoff": raw}
+                ).fetchall()
                 deleted[table] = int(n)
         if rollup is not None:
             ((n,),) = cur.execute("DELETE FROM cache_minute WHERE minute < $cutoff", {"cutoff": rollup}).fetchall()
@@ -226,11 +269,11 @@ class MaintenanceScheduler:
     def rollup(self) -> int:
         return fold_cache_minute(self.store)
 
-    def export_and_retain(self) -> tuple[list[ExportedHour], dict[str, int]]:
-        """Export (when enabled), then apply retention; retention is skipped if the export
-        raised (the exception propagates)."""
+    def export_and_retain(self) -> tuple[list[ExportedPart], dict[str, int]]:
+        """Export (when enabled), then apply retention (deleting only exported, folded rows);
+        retention is skipped if the export raised (the exception propagates)."""
         now = self.clock()
-        exported: list[ExportedHour] = []
+        exported: list[ExportedPart] = []
         if self.config.export_enabled:
             exported = export_parquet(
                 self.store,
@@ -239,12 +282,13 @@ class MaintenanceScheduler:
                 lag_seconds=self.config.export_lag_seconds,
             )
             for item in exported:
-                log.info("exported %s %s: %d rows in %d files", item.table, item.hour, item.rows, len(item.files))
+                log.info("exported %s %s part %d: %d rows in %d files", item.table, item.hour, item.part, item.rows, len(item.files))
         deleted = apply_retention(
             self.store,
             now=now,
             raw_retention_hours=self.config.raw_retention_hours,
             rollup_retention_days=self.config.rollup_retention_days,
+            exported_only=self.config.export_enabled,
         )
         if any(deleted.values()):
             log.info("retention deleted %s", {k: v for k, v in deleted.items() if v})
@@ -292,6 +336,7 @@ class MaintenanceScheduler:
                 self._counted(job, run),
                 trigger,
                 id=f"kvscope-{job}",
+                name=f"kvscope {job} job",
                 max_instances=1,
                 coalesce=True,
                 misfire_grace_time=60,

@@ -22,7 +22,7 @@ request; ``kvscope_ingest_lag_seconds`` every stored event's commit time minus i
 The agent's own ingest health: ``kvscope_ingest_batches_total{status}``,
 ``kvscope_ingest_events_total{kind}``, ``kvscope_ingest_rejected_batches_total{reason}``
 (``invalid``, ``too_large``, ``content_type``, ``seq_conflict``, ``queue_full``,
-``store_error``), ``kvscope_ingest_seq_gaps_total`` (jumps past seqs never received),
+``store_error``, ``decode_error``), ``kvscope_ingest_seq_gaps_total`` (jumps past seqs never received),
 ``kvscope_ingest_missing_batches`` (seqs never received now, all engines),
 ``kvscope_ingest_queue_events`` (events waiting for or in a flush).
 """
@@ -47,7 +47,15 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 """Upper bounds (seconds) of ``kvscope_request_ttft_seconds``."""
 LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Upper bounds (seconds) of ``kvscope_ingest_lag_seconds``."""
-REJECT_REASONS = ("invalid", "too_large", "content_type", "seq_conflict", "queue_full", "store_error")
+REJECT_REASONS = (
+    "invalid",
+    "too_large",
+    "content_type",
+    "seq_conflict",
+    "queue_full",
+    "store_error",
+    "decode_error",
+)
 """Label values of ``kvscope_ingest_rejected_batches_total``."""
 RECOVERING_OUTCOMES = (Outcome.RECOVERED.value, Outcome.REPLAYED.value)
 
@@ -295,7 +303,7 @@ class AgentMetrics:
         self.rejected_batches = Counter(
             "kvscope_ingest_rejected_batches_total",
             "Event batches refused, by reason (invalid, too_large, content_type, seq_conflict, "
-            "queue_full, store_error).",
+            "queue_full, store_error, decode_error).",
             ("reason",),
             registry=r,
         )

@@ -189,7 +189,8 @@ _V3_STATEMENTS = (
         table_name VARCHAR NOT NULL,
         hour TIMESTAMP NOT NULL,
         rows BIGINT NOT NULL,
-        files INTEGER NOT NULL,
+        parts INTEGER NOT NULL,
+        exported_through TIMESTAMP NOT NULL,
         exported_at TIMESTAMP NOT NULL,
         PRIMARY KEY (table_name, hour)
     )

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
@@ -68,6 +68,20 @@ class _Item:
     batch: PreparedBatch
     future: Future[IngestOutcome]
     received: float
+
+
+def _settle(
+    future: Future[IngestOutcome], outcome: IngestOutcome | None = None, *, error: BaseException | None = None
+) -> None:
+    """Resolve ``future`` unless it is already done (its request was cancelled): one request
+    going away never stops the others of the flush from getting their answer."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        elif outcome is not None:
+            future.set_result(outcome)
+    except InvalidStateError:
+        pass
 
 
 class Ingestor:
@@ -192,8 +206,7 @@ class Ingestor:
                 self._flush(items)
             except BaseException as exc:  # never leave a request waiting forever
                 for item in items:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
+                    _settle(item.future, error=exc)
                 log.exception("ingest flush failed")
             finally:
                 with self._cond:
@@ -208,11 +221,12 @@ class Ingestor:
                 outcomes = write_batches(self.store, self.tracker, [i.batch for i in group], ingested_at=at)
             except Exception as exc:
                 if len(group) > 1:
+                    log.warning("a flush of %d batches failed (%s); writing them one by one", len(group), exc)
                     groups[:0] = [[item] for item in group]
                     continue
                 log.error("batch seq=%d of %s not stored: %s", group[0].batch.seq, group[0].batch.engine_id, exc)
                 self.metrics.observe_rejected("store_error")
-                group[0].future.set_exception(exc if isinstance(exc, duckdb.Error | StoreClosedError) else StoreWriteError(str(exc)))
+                _settle(group[0].future, error=exc if isinstance(exc, duckdb.Error | StoreClosedError) else StoreWriteError(str(exc)))
                 continue
             for item, outcome in zip(group, outcomes, strict=True):
                 if outcome.gap is not None:
@@ -222,4 +236,4 @@ class Ingestor:
                         outcome.engine_id,
                         *outcome.gap,
                     )
-                item.future.set_result(outcome)
+                _settle(item.future, outcome)

@@ -313,13 +313,16 @@ INGEST_SEQ_GAPS = NamedQuery(
     name="ingest_seq_gaps",
     description=(
         "Per engine: the highest batch seq received, how many seqs were received (stored or "
-        "rejected) and how many below the highest never arrived (seqs start at 0)."
+        "rejected) and how many below the highest never arrived (seqs start at 0; an engine "
+        "numbering from the wall clock, before schema 3, is counted from its first seq)."
     ),
     sql="""
     SELECT engine_id,
            max(seq) AS max_seq,
            count(DISTINCT seq) AS received,
-           (max(seq) + 1 - count(DISTINCT seq))::BIGINT AS missing
+           (max(seq)::HUGEINT + 1
+            - CASE WHEN min(seq) >= 1099511627776 THEN min(seq) ELSE 0 END
+            - count(DISTINCT seq)) AS missing
     FROM ingest_batches
     WHERE status IN ('stored', 'rejected')
       AND ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id)
@@ -334,7 +337,8 @@ FORM_WINDOW = NamedQuery(
     name="form_window",
     description=(
         "Per form and tier over the window, from the cache_minute rollup (minutes merge "
-        "exactly): lookups, hash-hit and recoverable tokens, their ratio, recoveries within 100 ms."
+        "exactly): lookups, hash-hit and recoverable tokens, their ratio, lookups that recovered "
+        "or replayed state within 100 ms."
     ),
     sql="""
     SELECT form, tier,

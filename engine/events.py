@@ -116,7 +116,10 @@ Tokens = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 """Token counts: at most 2⁴⁰ per event, so sums over a whole batch cannot overflow 64 bits."""
 SmallInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 """Indices stored as INTEGER (layer group, tensor-parallel rank)."""
-NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
+"""Durations in seconds: finite, at most 10⁹ (about 31 years), so sums stay finite."""
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**48)]
+"""Bytes moved by one lookup: at most 256 TiB, so per-minute sums cannot overflow 64 bits."""
 UnixSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=253_402_300_799.0)]
 """A time as unix seconds, at most 9999-12-31T23:59:59Z (what a TIMESTAMP column holds)."""
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -145,7 +148,7 @@ class CacheLookup(_Event, tag="cache_lookup", kw_only=True):
     replayed_tokens: Tokens = 0
     approximate: bool = False
     recovery_seconds: NonNegFloat = 0.0
-    bytes_moved: NonNegInt = 0
+    bytes_moved: Bytes = 0
     layer_group: SmallInt = 0
     tp_rank: SmallInt = 0
     epoch: NonNegInt = 0
@@ -213,7 +216,7 @@ class EventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     schema_version: int
     engine_id: Name
     seq: NonNegInt
-    sent_at: NonNegFloat
+    sent_at: UnixSeconds
     events: list[Event]
 
 

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,29 +25,39 @@ from engine.cache.config import CacheConfig
 if TYPE_CHECKING:
     from engine.trace.replay import ReplayConfig
 
+def _number(text: str, kind: type[int] | type[float], what: str) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = int(_number(text, int, "a positive integer"))
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = int(_number(text, int, "a non-negative integer"))
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is not a non-negative integer")
     return value
 
 
 def _port(text: str) -> int:
-    value = int(text)
+    value = int(_number(text, int, "a TCP port (1..65535)"))
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{text} is not a TCP port (1..65535)")
     return value
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value = float(_number(text, float, "a positive number"))
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number")
     return value
@@ -81,9 +92,12 @@ def _add_replay_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvscope", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    # -v also after the subcommand (kvscope agent -v); SUPPRESS keeps a -v given before it
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="agent + alerts + dashboard + the engine replaying a real trace")
+    up = sub.add_parser("up", parents=[verbose], help="agent + alerts + dashboard + the engine replaying a real trace")
     up.add_argument("--trace", type=Path, default=None, help="weka directory/.json or mooncake .jsonl (default: the bundled weka slice)")
     up.add_argument("--data-dir", type=Path, default=Path("kvscope-data"), help="DuckDB, logs (default: %(default)s)")
     up.add_argument("--agent-port", type=_port, default=9400)
@@ -93,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help="evaluate alerts every N s instead of every minute")
     _add_replay_flags(up)
 
-    agent = sub.add_parser("agent", help="the sidecar: ingest, DuckDB store, metrics, SQL, alerts")
+    agent = sub.add_parser("agent", parents=[verbose], help="the sidecar: ingest, DuckDB store, metrics, SQL, alerts")
     agent.add_argument("--config", type=Path, default=None, help="YAML file (flags override it)")
     agent.add_argument("--host", default=None)
     agent.add_argument("--port", type=_port, default=None)
@@ -101,17 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--token", default=None, help="bearer token (or KVSCOPE_TOKEN)")
     agent.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help=argparse.SUPPRESS)
 
-    dash = sub.add_parser("dashboard", help="the Streamlit dashboard")
+    dash = sub.add_parser("dashboard", parents=[verbose], help="the Streamlit dashboard")
     dash.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
     dash.add_argument("--port", type=_port, default=8501)
     dash.add_argument("--host", default="127.0.0.1")
 
-    rep = sub.add_parser("replay", help="replay a trace through the engine")
+    rep = sub.add_parser("replay", parents=[verbose], help="replay a trace through the engine")
     rep.add_argument("trace", type=Path)
     rep.add_argument("--agent", default=None, help="send events to this agent")
     _add_replay_flags(rep)
 
-    gen = sub.add_parser("generate", help="generate text")
+    gen = sub.add_parser("generate", parents=[verbose], help="generate text")
     gen.add_argument("--model", default="kvscope_hybrid-small", help="preset name or model directory (default: %(default)s, trained)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
@@ -119,13 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", parents=[verbose], help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from kvscope.bench_ttft import add_arguments as ttft_arguments
 
-    ttft_arguments(bench_sub.add_parser("ttft", help="time to first token: cold, exact resume, Tail-Replay"))
+    ttft_arguments(bench_sub.add_parser("ttft", parents=[verbose], help="time to first token: cold, exact resume, Tail-Replay"))
 
-    sql = sub.add_parser("sql", help="ad-hoc read-only SQL over the cache logs")
+    sql = sub.add_parser("sql", parents=[verbose], help="ad-hoc read-only SQL over the cache logs")
     sql.add_argument("query")
     where = sql.add_mutually_exclusive_group()
     where.add_argument("--agent", default=None, help="through a running agent (default when --db is absent)")
@@ -264,6 +278,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     if not port_is_free(config.host, config.port):
         raise UserError(f"port {config.port} on {config.host} is in use (another agent?): stop it, or choose another --port")
+    print(
+        f"kvscope agent: http://{config.host}:{config.port}, data in {config.data_dir} "
+        f"(ingest queue {config.ingest_queue_max_events} events, full policy "
+        f"{config.ingest_full_policy}; raw rows kept {config.raw_retention_hours or 'forever'} h; "
+        f"Parquet export {'to ' + str(config.parquet_dir) if config.export_enabled else 'off'})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         serve(config)
     except SchemaTooNewError as exc:
@@ -275,6 +297,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UserError(
             f"{config.db_path} is open in another process ({holder}); stop that agent or choose another --data-dir"
         ) from None
+    print(f"kvscope agent: stopped; {config.db_path} checkpointed and closed", file=sys.stderr, flush=True)
     return 0
 
 

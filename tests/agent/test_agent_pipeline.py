@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import msgspec
 import pyarrow.parquet as pq
 import pytest
 from agent_testdata import batch, json_body, known_events, lookup_event, minute_start
@@ -174,8 +175,8 @@ def raw_minutes(store: Store) -> list[tuple[Any, ...]]:
                    count(*), count(*) FILTER (WHERE approximate), sum(hash_hit_tokens),
                    sum(usable_tokens), sum(recoverable_tokens), sum(replayed_tokens),
                    sum(bytes_moved), sum(recovery_seconds),
-                   count(*) FILTER (WHERE recovery_seconds <= 0.1),
-                   count(*) FILTER (WHERE recovery_seconds <= 0.25)
+                   count(*) FILTER (WHERE outcome IN ('recovered', 'replayed') AND recovery_seconds <= 0.1),
+                   count(*) FILTER (WHERE outcome IN ('recovered', 'replayed') AND recovery_seconds <= 0.25)
             FROM cache_lookups GROUP BY ALL ORDER BY ALL
             """
         ).fetchall()
@@ -220,55 +221,96 @@ def test_cache_minute_equals_raw_rows_with_late_events_and_restarts(tmp_path: Pa
 def test_rollup_windows_merge_exactly_through_the_named_query(loaded: TestClient, store: Store, base: int) -> None:
     fold_cache_minute(store)
     rows = loaded.get("/v1/query/form_window?since_seconds=86400").json()["rows"]
+    # only lookups that recovered or replayed state count as recoveries (the host swap-in took
+    # 0.25 s; the replayed linear state 0 s), as in kvscope_recovery_seconds
     assert rows == [
-        ["full_kv", "device", 1, 800, 600, 0.75, 1],
+        ["full_kv", "device", 1, 800, 600, 0.75, 0],
         ["full_kv", "host", 1, 3000, 2400, 0.8, 0],
         ["linear_state", "device", 1, 3000, 2400, 0.8, 1],
-        ["swa_window", "device", 1, 800, 600, 0.75, 1],
+        ["swa_window", "device", 1, 800, 600, 0.75, 0],
     ]
 
 
 # -- export and retention --------------------------------------------------------------------------
-def test_hourly_parquet_export_by_date_and_form_reexport_and_retention(store: Store, tmp_path: Path) -> None:
+def archived(export_dir: Path, table: str = "cache_lookups") -> list[tuple[Any, ...]]:
+    """(form, request_id) of every archived row, through DuckDB's Hive-partitioned reader."""
+    glob = str(export_dir / table / "**" / "*.parquet")
+    return duckdb.connect().execute(
+        f"SELECT form, request_id FROM read_parquet('{glob}', hive_partitioning = true) ORDER BY ALL"
+    ).fetchall()
+
+
+def test_hourly_parquet_export_by_date_and_form_late_parts_and_retention(store: Store, tmp_path: Path) -> None:
     hour = (int(time.time()) // 3600 - 3) * 3600  # three hours ago, on the hour
     store_batch(store, 0, known_events(hour + 10) + known_events(hour + 3600 + 10))
     export_dir = tmp_path / "export"
     now = hour + 2 * 3600 + 120  # both hours finished more than a minute ago
     done = export_parquet(store, export_dir, now=now, lag_seconds=60)
-    assert sorted((d.table, d.hour, d.rows) for d in done) == sorted(
-        (table, to_timestamp(h), n)
+    assert sorted((d.table, d.hour, d.part, d.rows) for d in done) == sorted(
+        (table, to_timestamp(h), 0, n)
         for h in (hour, hour + 3600)
         for table, n in (("cache_lookups", 4), ("requests", 2), ("engine_stats", 1), ("block_events", 1))
     )
     stamp = to_timestamp(hour)
     folder = export_dir / "cache_lookups" / f"date={stamp:%Y-%m-%d}"
-    name = f"cache_lookups-{stamp:%Y%m%dT%H}.parquet"
+    name = f"cache_lookups-{stamp:%Y%m%dT%H}-0.parquet"
     forms = sorted(p.name for p in folder.iterdir() if (p / name).exists())
     assert forms == ["form=full_kv", "form=linear_state", "form=swa_window"]
     full_kv = pq.read_table(folder / "form=full_kv" / name)
     assert full_kv.num_rows == 2 and "form" not in full_kv.column_names
-    assert (export_dir / "requests" / f"date={stamp:%Y-%m-%d}" / f"requests-{stamp:%Y%m%dT%H}.parquet").exists()
-    # DuckDB reads the partitions back with the form column restored
-    con = duckdb.connect()
-    glob = str(export_dir / "cache_lookups" / "**" / "*.parquet")
-    assert con.execute(
-        f"SELECT form, count(*) FROM read_parquet('{glob}', hive_partitioning = true) GROUP BY 1 ORDER BY 1"
-    ).fetchall() == [("full_kv", 4), ("linear_state", 2), ("swa_window", 2)]
-    # nothing new: nothing re-exported; a late event re-exports only its hour
+    assert (export_dir / "requests" / f"date={stamp:%Y-%m-%d}" / f"requests-{stamp:%Y%m%dT%H}-0.parquet").exists()
+    assert [row[0] for row in archived(export_dir)] == ["full_kv"] * 4 + ["linear_state"] * 2 + ["swa_window"] * 2
+    # nothing new: nothing written; a late event adds a part to its hour, never rewrites one
     assert export_parquet(store, export_dir, now=now, lag_seconds=60) == []
     store_batch(store, 1, [lookup_event(hour + 20, "late", form="linear_state", outcome="miss", reason="no_prefix_match")])
     again = export_parquet(store, export_dir, now=now, lag_seconds=60)
-    assert [(d.table, d.hour, d.rows) for d in again] == [("cache_lookups", stamp, 5)]
+    assert [(d.table, d.hour, d.part, d.rows) for d in again] == [("cache_lookups", stamp, 1, 1)]
+    assert (folder / "form=linear_state" / f"cache_lookups-{stamp:%Y%m%dT%H}-1.parquet").exists()
+    assert len(archived(export_dir)) == 9
     # the unfinished current hour is never exported
-    assert all(d.hour < to_timestamp(now - 60) - timedelta(hours=0) for d in done + again)
-    # retention: an hour of raw rows kept at now (cutoff aligned down to the hour) → the first
-    # hour goes, the second stays; cache_minute keeps its own, longer retention
-    fold_cache_minute(store)
+    assert all(d.hour < to_timestamp(now - 60) for d in done + again)
+    # retention keeps an hour at now (cutoff aligned down to the hour): the first hour goes —
+    # but its lookups only once cache_minute folded them
     deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None)
-    assert deleted == {"cache_lookups": 5, "requests": 2, "engine_stats": 1, "block_events": 1, "gpu_stats": 0}
+    assert deleted == {"cache_lookups": 0, "requests": 2, "engine_stats": 1, "block_events": 1, "gpu_stats": 0}
+    assert fold_cache_minute(store) == 9
+    deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None)
+    assert deleted["cache_lookups"] == 5
     with store.cursor() as cur:
         assert cur.execute("SELECT count(*) FROM cache_lookups").fetchall() == [(4,)]
-        assert cur.execute("SELECT count(*) FROM cache_minute").fetchall()[0][0] > 0
+        assert cur.execute("SELECT sum(lookups) FROM cache_minute").fetchall() == [(9,)]
+    # a late event for the deleted hour: a new part; the archived rows stay (review finding)
+    store_batch(store, 2, [lookup_event(hour + 30, "later", outcome="miss", reason="no_prefix_match")])
+    third = export_parquet(store, export_dir, now=now, lag_seconds=60)
+    assert [(d.table, d.part, d.rows) for d in third] == [("cache_lookups", 2, 1)]
+    assert len(archived(export_dir)) == 10 and ("full_kv", "later") in archived(export_dir)
+
+
+def test_retention_deletes_only_exported_rows(store: Store, tmp_path: Path) -> None:
+    """Rows stored after the export read (or never exported: retention shorter than the export
+    lag) stay until an export took them (review findings 2 and 3)."""
+    hour = (int(time.time()) // 3600 - 3) * 3600
+    store_batch(store, 0, known_events(hour + 10))
+    export_dir = tmp_path / "export"
+    now = hour + 3 * 3600
+    # retention before any export: nothing exported, nothing deleted
+    fold_cache_minute(store)
+    assert sum(apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None).values()) == 0
+    export_parquet(store, export_dir, now=now, lag_seconds=60)
+    store_batch(store, 1, [lookup_event(hour + 40, "after-export", outcome="miss", reason="no_prefix_match")])
+    fold_cache_minute(store)
+    deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None)
+    assert deleted["cache_lookups"] == 4
+    with store.cursor() as cur:
+        assert cur.execute("SELECT request_id FROM cache_lookups").fetchall() == [("after-export",)]
+    export_parquet(store, export_dir, now=now, lag_seconds=60)
+    assert apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None)["cache_lookups"] == 1
+    assert ("full_kv", "after-export") in archived(export_dir)
+    # with export disabled, retention does not wait for it
+    store_batch(store, 2, known_events(hour + 50))
+    fold_cache_minute(store)
+    deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None, exported_only=False)
+    assert deleted["requests"] == 2
 
 
 def test_export_failure_skips_retention_and_is_counted(store: Store, tmp_path: Path) -> None:
@@ -349,3 +391,98 @@ def test_concurrent_posts_are_grouped_and_all_stored(client: TestClient) -> None
     assert errors == []
     assert sql(client, "SELECT count(*), count(DISTINCT engine_id) FROM requests") == [[40, 4]]
     assert client.get("/v1/query/ingest_seq_gaps").json()["rows"] == [[f"e{i}", 4, 5, 0] for i in range(4)]
+
+
+# -- regressions from the review -------------------------------------------------------------------
+def test_values_that_would_poison_sums_are_rejected(client: TestClient, base: int) -> None:
+    """bytes_moved is bounded (2**48) and durations are finite, so no batch can overflow a
+    cache_minute sum (stopping the rollup for good) or turn a histogram sum into +Inf."""
+    huge = lookup_event(base, "r1", outcome="recovered", reason="kv_evicted", bytes_moved=2**62)
+    response = client.post("/v1/events", content=json_body(batch(0, [huge])), headers=JSON)
+    assert response.status_code == 422 and response.json()["error"]["path"] == "$.events[0].bytes_moved"
+    infinite = lookup_event(base, "r1", outcome="recovered", reason="kv_evicted", recovery_seconds=float("inf"))
+    packed = msgspec.msgpack.encode(batch(1, [infinite]))
+    response = client.post("/v1/events", content=packed, headers={"content-type": "application/msgpack"})
+    assert response.status_code == 422 and response.json()["error"]["path"] == "$.events[0].recovery_seconds"
+    assert sql(client, "SELECT count(*) FROM cache_lookups") == [[0]]
+
+
+def test_a_rejected_batch_that_skips_seqs_records_the_gap(client: TestClient, base: int) -> None:
+    assert client.post("/v1/events", content=json_body(batch(0, known_events(base))), headers=JSON).status_code == 200
+    bad = batch(5, [lookup_event(base, "r9", usable_tokens=5)])
+    assert client.post("/v1/events", content=json_body(bad), headers=JSON).status_code == 422
+    assert sql(client, "SELECT first_missing, last_missing FROM ingest_gaps") == [[1, 4]]
+    assert gauge(client, "kvscope_ingest_seq_gaps_total") == 1.0
+    assert gauge(client, "kvscope_ingest_missing_batches") == 4.0
+
+
+def test_wall_clock_seqs_of_old_clients_and_huge_seqs_do_not_break_gap_accounting(
+    client: TestClient, base: int
+) -> None:
+    legacy = 1_764_000_000_000_000  # an old client's seq: wall-clock microseconds
+    old = [dict(e, engine_id="old") for e in known_events(base)]
+    for seq in (legacy, legacy + 2):
+        assert client.post("/v1/events", content=json_body(batch(seq, old, "old")), headers=JSON).status_code == 200
+    hostile = [dict(e, engine_id="big") for e in known_events(base)]
+    assert client.post("/v1/events", content=json_body(batch(2**63 - 1, hostile, "big")), headers=JSON).status_code == 200
+    response = client.get("/v1/query/ingest_seq_gaps")
+    assert response.status_code == 200, response.text
+    # an engine whose first seq is that large is counted from it (LEGACY_SEQ_FLOOR): the old
+    # client's hole is one seq; the hostile seq neither overflows the query nor invents 2**63 gaps
+    assert response.json()["rows"] == [["old", legacy + 2, 2, 1], ["big", 2**63 - 1, 1, 0]]
+    assert sql(client, "SELECT engine_id, first_missing, last_missing FROM ingest_gaps ORDER BY 1") == [
+        ["old", legacy + 1, legacy + 1],
+    ]
+    assert gauge(client, "kvscope_ingest_missing_batches") == 1.0
+
+
+def test_a_cancelled_request_does_not_fail_the_rest_of_its_flush(store: Store, base: int) -> None:
+    ingestor = Ingestor(store, AgentMetrics())
+    prepared = [prepare_batch(decode_batch(json_body(batch(seq, known_events(base))))) for seq in range(2)]
+    try:
+        with store.transaction():
+            first, second = (ingestor.submit(p) for p in prepared)
+            assert first.cancel()  # its request went away while queued
+        assert second.result(10).status == "stored"
+    finally:
+        ingestor.close()
+    with store.cursor() as cur:
+        assert cur.execute("SELECT seq FROM ingest_batches ORDER BY seq").fetchall() == [(0,), (1,)]
+
+
+def test_flusher_stamps_after_every_watermark_even_when_tables_are_empty(tmp_path: Path, base: int) -> None:
+    """A restarted flusher must stamp after the rollup and export watermarks, even once
+    retention emptied the tables and the clock went back (review finding 11)."""
+    with Store.open(tmp_path / "k.duckdb") as store:
+        future = utc_now() + timedelta(hours=5)
+        ingest_batch(store, decode_batch(json_body(batch(0, known_events(base)))), received_at=future)
+        assert fold_cache_minute(store) == 4
+        with store.transaction() as cur:
+            cur.execute("DELETE FROM cache_lookups")
+        ingestor = Ingestor(store, AgentMetrics())
+        try:
+            late = prepare_batch(decode_batch(json_body(batch(1, known_events(base)))))
+            assert ingestor.submit(late).result(10).status == "stored"
+        finally:
+            ingestor.close()
+        assert fold_cache_minute(store) == 4
+
+
+def test_a_dead_decode_worker_is_replaced(base: int) -> None:
+    import asyncio
+    import os
+    import signal
+
+    from agent.decode import BatchDecoder, Decoded
+
+    decoder = BatchDecoder(1)
+    body = json_body(batch(0, known_events(base)))
+    try:
+        assert isinstance(asyncio.run(decoder.decode(body, "json")), Decoded)
+        for pid in list(decoder._executor._processes):  # type: ignore[attr-defined]
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        assert isinstance(asyncio.run(decoder.decode(body, "json")), Decoded)
+        assert decoder.restarts == 1
+    finally:
+        decoder.shutdown()

@@ -192,6 +192,8 @@ def test_load_config_buffers_retention_export(tmp_path: Path) -> None:
         ("export_enabled: 1\n", "key 'export_enabled' must be bool, got int 1"),
         ("raw_retention_hours: 0\n", "raw_retention_hours must be > 0 or null, got 0.0"),
         ("decode_processes: -1\n", "decode_processes must be >= 0, got -1"),
+        ("raw_retention_hours: .inf\n", "raw_retention_hours must be a finite number, got inf"),
+        ("ingest_block_timeout_seconds: .nan\n", "ingest_block_timeout_seconds must be a finite number, got nan"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, text: str, message: str) -> None:
