@@ -56,11 +56,12 @@ MODEL = "kvscope_hybrid-small"
 EVENTS_PER_REQUEST = 5
 """One ``request`` event and four ``cache_lookup`` events per request."""
 AGENT_SCRIPT = """
-import sys
+import dataclasses, sys
 from pathlib import Path
-from agent.config import AgentConfig
+from agent.config import AgentConfig, load_config
 from agent.server import serve
-serve(AgentConfig(port=int(sys.argv[1]), data_dir=Path(sys.argv[2])), log_level="warning")
+base = load_config(sys.argv[3]) if len(sys.argv) > 3 else AgentConfig()
+serve(dataclasses.replace(base, port=int(sys.argv[1]), data_dir=Path(sys.argv[2])), log_level="warning")
 """
 RETRY_STATUSES = frozenset({429, 503})
 """Back-pressure (queue full): the sender retries the same batch; any other error stops it."""
@@ -267,12 +268,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_agent(port: int, data: Path, log_path: Path) -> subprocess.Popen[bytes]:
+def start_agent(port: int, data: Path, log_path: Path, config: Path | None = None) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("KVSCOPE_TOKEN", None)
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-c", AGENT_SCRIPT, str(port), str(data)],
+            [sys.executable, "-c", AGENT_SCRIPT, str(port), str(data), *([str(config)] if config else [])],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log_file,
         )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -395,6 +396,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=60.0, help="measured window")
     parser.add_argument("--senders", type=int, default=8)
+    parser.add_argument("--agent-config", type=Path, default=None, help="the agent's YAML config (port and data_dir are set by the benchmark)")
     parser.add_argument("--batch-events", type=int, default=1000)
     parser.add_argument("--format", choices=("msgpack", "json"), default="msgpack")
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
@@ -432,7 +434,7 @@ def main() -> None:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         log(f"starting the agent on {base}")
-        agent = start_agent(port, where / "data", where / "agent.log")
+        agent = start_agent(port, where / "data", where / "agent.log", args.agent_config)
         try:
             ready = ctx.Barrier(args.senders + 1)
             go = ctx.Event()
