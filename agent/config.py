@@ -37,6 +37,23 @@ from alerts.rules import RecoverableHitRateRule
 MiB = 1024 * 1024
 
 
+DAY = 86_400
+UPPER_BOUNDS: dict[str, float] = {
+    "sql_timeout_seconds": DAY,
+    "alert_interval_seconds": DAY,
+    "ingest_block_timeout_seconds": 3600,
+    "rollup_interval_seconds": DAY,
+    "raw_retention_hours": 100 * 365 * 24,
+    "rollup_retention_days": 100 * 365,
+    "export_lag_seconds": 7 * DAY,
+    "maintenance_interval_seconds": 7 * DAY,
+    "checkpoint_interval_seconds": 7 * DAY,
+    "gpu_sample_seconds": DAY,
+}
+"""Largest accepted values: beyond them a setting makes no sense and would overflow a timer or
+a date computation."""
+
+
 class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the file and the key."""
 
@@ -74,13 +91,14 @@ class AgentConfig:
             (late events included: they land in their own minute).
         raw_retention_hours: raw event rows (``cache_lookups``, ``requests``, ``engine_stats``,
             ``block_events``, ``gpu_stats``) older than this (by ``ts``) are deleted hourly,
-            after the export; ``None`` keeps them.
+            after the export — only rows already exported (and folded into ``cache_minute``);
+            ``None`` keeps them.
         rollup_retention_days: the same for ``cache_minute`` rows (by ``minute``).
         export_enabled: write every finished hour of the raw tables to Parquet, partitioned by
             date (and form, where the table has one), under ``export_dir``.
         export_dir: where; ``None`` means ``data_dir / "export"``.
-        export_lag_seconds: an hour is exported this long after it ended (late events); later
-            arrivals re-export it.
+        export_lag_seconds: an hour is exported this long after it ended (late events); rows
+            that arrive later are written as a further part of that hour.
         maintenance_interval_seconds: run export + retention every N seconds instead of hourly
             (tests, demos).
         checkpoint_interval_seconds: fold the WAL into the database file this often (a crash
@@ -124,6 +142,9 @@ class AgentConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{f.name} must be a finite number, got {value}")
+            limit = UPPER_BOUNDS.get(f.name)
+            if limit is not None and isinstance(value, int | float) and value > limit:
+                raise ValueError(f"{f.name} must be at most {limit:g}, got {value:g}")
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:

@@ -69,16 +69,19 @@ PARENT_POLL_SECONDS = 1.0
 
 def _watch_parent(pid: int) -> None:
     """Worker initializer: exit this worker (at once, without cleanup: it holds no state) once
-    process ``pid`` — the agent — no longer exists."""
+    the agent (process ``pid``) is gone. A dead process's children are re-parented at once (even
+    while it is an unreaped zombie), so the worker watches its own parent — the agent, or the
+    forkserver, which exits with the agent — and also the agent's pid."""
+    parent = os.getppid()
 
     def watch() -> None:
         while True:
             time.sleep(PARENT_POLL_SECONDS)
+            if os.getppid() != parent:
+                os._exit(0)
             try:
                 os.kill(pid, 0)
-            except ProcessLookupError:
-                os._exit(0)
-            except PermissionError:  # a reused pid owned by someone else: ours is gone
+            except (ProcessLookupError, PermissionError):  # gone, or the pid was reused
                 os._exit(0)
 
     threading.Thread(target=watch, name="kvscope-parent-watch", daemon=True).start()

@@ -34,6 +34,7 @@ import threading
 import time
 import types
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
@@ -101,6 +102,7 @@ class GpuSampler:
             ValueError: the gauges are already registered on ``registry``.
         """
         self._store = store
+        self._last_ts: datetime | None = None
         self._nvml: Any = nvml
         self._lock = threading.Lock()
         self._started = False
@@ -180,8 +182,13 @@ class GpuSampler:
                 self._warn_once(f"GPU sample skipped: {_describe(exc)}")
                 return 0
             ts = to_timestamp(time.time() if now is None else now)
+            # strictly increasing even if the clock steps back: the Parquet export orders
+            # gpu_stats rows by ts (its stamp), so a row below the last one could be skipped
+            if self._last_ts is not None and ts <= self._last_ts:
+                ts = self._last_ts + timedelta(microseconds=1)
             if readings:
                 self._insert(readings, ts)
+                self._last_ts = ts
             self._set_gauges(readings)
             return len(readings)
 

@@ -38,7 +38,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
 import duckdb
@@ -261,13 +261,40 @@ class SeqRanges:
 
     @property
     def missing(self) -> int:
-        """How many seqs in ``[0, max]`` are not members (seqs start at 0). An engine whose
-        smallest seq is at least :data:`LEGACY_SEQ_FLOOR` numbered its batches from the wall
-        clock (clients before schema 3): counted from its smallest seq instead."""
-        if not self._count:
-            return 0
-        first = self.min if self.min >= LEGACY_SEQ_FLOOR else 0
-        return self.max + 1 - first - self._count
+        """How many seqs are not members: in ``[0, highest below LEGACY_SEQ_FLOOR]`` (seqs start
+        at 0) plus, for the old wall-clock numbering (seqs at or above :data:`LEGACY_SEQ_FLOOR`,
+        clients before seqs started at 0), in ``[lowest, highest]`` of those. An engine id that
+        used both numberings (upgraded in place) is counted in each separately."""
+        low_top, low_count = -1, 0
+        high_bottom, high_top, high_count = -1, -1, 0
+        for start, end in zip(self._starts, self._ends, strict=True):
+            if start < LEGACY_SEQ_FLOOR:
+                low_end = min(end, LEGACY_SEQ_FLOOR - 1)
+                low_top, low_count = low_end, low_count + low_end - start + 1
+            if end >= LEGACY_SEQ_FLOOR:
+                high_start = max(start, LEGACY_SEQ_FLOOR)
+                if high_bottom < 0:
+                    high_bottom = high_start
+                high_top, high_count = end, high_count + end - high_start + 1
+        low = low_top + 1 - low_count
+        high = high_top - high_bottom + 1 - high_count if high_count else 0
+        return low + high
+
+    def top_in_numbering(self, seq: int) -> int | None:
+        """The highest member in ``seq``'s numbering (below :data:`LEGACY_SEQ_FLOOR`, or at or
+        above it): -1 when the engine has none below the floor, None when none at or above it
+        (the first seq of the old numbering is not a gap)."""
+        legacy = seq >= LEGACY_SEQ_FLOOR
+        i = bisect.bisect_left(self._starts, LEGACY_SEQ_FLOOR)  # intervals starting at/above
+        if legacy:
+            if i < len(self._starts):
+                return self._ends[-1]
+            if i > 0 and self._ends[i - 1] >= LEGACY_SEQ_FLOOR:
+                return self._ends[i - 1]
+            return None
+        if i == 0:
+            return -1
+        return min(self._ends[i - 1], LEGACY_SEQ_FLOOR - 1)
 
     def __contains__(self, seq: object) -> bool:
         if not isinstance(seq, int):
@@ -345,10 +372,14 @@ class SeqTracker:
             ranges = self._stored.get(engine_id)
             return ranges is not None and seq in ranges
 
-    def max_seen(self, engine_id: str) -> int:
+    def top(self, engine_id: str, seq: int) -> int | None:
+        """The highest seq received from ``engine_id`` in ``seq``'s numbering (see
+        :meth:`SeqRanges.top_in_numbering`)."""
         with self._lock:
             ranges = self._seen.get(engine_id)
-            return ranges.max if ranges is not None else -1
+            if ranges is None:
+                return None if seq >= LEGACY_SEQ_FLOOR else -1
+            return ranges.top_in_numbering(seq)
 
     def mark(self, engine_id: str, seq: int, *, stored: bool) -> None:
         """Record a committed batch: ``stored`` or filed as rejected."""
@@ -361,6 +392,13 @@ class SeqTracker:
         """Engine id → seqs never received below its highest, for engines with any."""
         with self._lock:
             return {e: r.missing for e, r in self._seen.items() if r.missing}
+
+
+def _gap(top: int | None, seq: int) -> tuple[int, int] | None:
+    """The seqs ``seq`` jumps over past ``top`` (the highest received in its numbering), if any."""
+    if top is None or seq <= top + 1:
+        return None
+    return (top + 1, seq - 1)
 
 
 def write_batches(
@@ -386,7 +424,7 @@ def write_batches(
     batch_rows: list[tuple[str, int, int, str, str | None, int]] = []
     gap_rows: list[tuple[str, int, int]] = []
     in_flush: dict[tuple[str, int], int] = {}
-    max_seen: dict[str, int] = {}
+    max_seen: dict[tuple[str, bool], int | None] = {}
     with store.transaction() as cur:
         for item in items:
             key = (item.engine_id, item.seq)
@@ -400,12 +438,12 @@ def write_batches(
                 batch_rows.append((item.engine_id, item.seq, 0, "duplicate" if same else "rejected", error, item.digest))
                 outcomes.append(_outcome(item, status))
                 continue
-            top = max_seen.get(item.engine_id, tracker.max_seen(item.engine_id))
-            legacy_start = top < 0 and item.seq >= LEGACY_SEQ_FLOOR
-            gap = (top + 1, item.seq - 1) if item.seq > top + 1 and not legacy_start else None
+            numbering = (item.engine_id, item.seq >= LEGACY_SEQ_FLOOR)
+            top = max_seen[numbering] if numbering in max_seen else tracker.top(item.engine_id, item.seq)
+            gap = _gap(top, item.seq)
             if gap is not None:
                 gap_rows.append((item.engine_id, *gap))
-            max_seen[item.engine_id] = max(top, item.seq)
+            max_seen[numbering] = item.seq if top is None else max(top, item.seq)
             in_flush[key] = item.digest
             stored_items.append(item)
             batch_rows.append((item.engine_id, item.seq, item.events, "stored", None, item.digest))
@@ -592,13 +630,17 @@ def ingest_batch(
     store: Store, batch: EventBatch, *, received_at: datetime, tracker: SeqTracker | None = None
 ) -> IngestOutcome:
     """Store one batch now, in its own transaction (what a flush of one does). Without a
-    ``tracker`` the store's own ``ingest_batches`` is read first. Nothing is stored when this
-    raises.
+    ``tracker`` the store's own ``ingest_batches`` is read first. ``received_at`` is moved after
+    the newest stamp in the store when it is not already (the rollup and the export rely on
+    stamps that only increase). Nothing is stored when this raises.
 
     Raises:
         duckdb.Error: the store failed; the transaction was rolled back.
     """
     tracker = tracker if tracker is not None else SeqTracker.load(store)
+    latest = latest_ingested_at(store)
+    if latest is not None and received_at <= latest:  # stamps only increase (see fold_cache_minute)
+        received_at = latest + timedelta(microseconds=1)
     return write_batches(store, tracker, [prepare_batch(batch)], ingested_at=received_at)[0]
 
 
@@ -659,10 +701,10 @@ def record_rejected(
         return False
     if not 0 < len(header.engine_id) <= 256 or not 0 <= header.seq < 2**63:
         return False
-    top = tracker.max_seen(header.engine_id) if tracker is not None else header.seq - 1
+    gap = _gap(tracker.top(header.engine_id, header.seq), header.seq) if tracker is not None else None
     with store.transaction() as cur:
-        if header.seq > top + 1 and not (top < 0 and header.seq >= LEGACY_SEQ_FLOOR):
-            _insert_ingest_rows(cur, [], [(header.engine_id, top + 1, header.seq - 1)], received_at)
+        if gap is not None:
+            _insert_ingest_rows(cur, [], [(header.engine_id, *gap)], received_at)
         cur.execute(
             "INSERT INTO ingest_batches (engine_id, seq, received_at, rows, status, error) "
             "VALUES ($engine_id, $seq, $received_at, 0, 'rejected', $error)",
@@ -675,6 +717,4 @@ def record_rejected(
         )
     if tracker is not None:
         tracker.mark(header.engine_id, header.seq, stored=False)
-    if header.seq > top + 1 and not (top < 0 and header.seq >= LEGACY_SEQ_FLOOR):
-        return (top + 1, header.seq - 1)
-    return None
+    return gap

@@ -21,8 +21,11 @@ Parquet layout (Hive partitioning, readable with DuckDB's
     <export_dir>/<table>/date=YYYY-MM-DD/<table>-YYYYMMDDTHH-<part>.parquet               (requests, gpu_stats)
 
 The partition column ``form`` is not repeated inside the files. Files are written through
-pyarrow (the database itself has no file access) to a temporary name and renamed, so a reader
-never sees half a file; no file is ever rewritten.
+pyarrow (the database itself has no file access) to a temporary name, fsynced and renamed (the
+folders fsynced too) before the part is recorded, so a reader never sees half a file and
+retention never deletes rows whose file could still be lost. A part is rewritten only when the
+agent stopped between writing it and recording it; it is then written again with the same rows
+plus any newer ones.
 """
 
 from __future__ import annotations
@@ -168,11 +171,26 @@ def _write_part(
 
 
 def _write_file(path: Path, rows: pa.Table) -> Path:
+    """Write ``rows`` durably: to a temporary name, fsynced, renamed, and the folders fsynced,
+    so once the part is recorded (and retention may delete its rows) it survives a power loss."""
+    created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
     pq.write_table(rows, temporary)
+    with open(temporary, "rb") as written:
+        os.fsync(written.fileno())
     os.replace(temporary, path)
+    for folder in (path.parent, *(p.parent for p in created)):
+        _fsync_directory(folder)
     return path
+
+
+def _fsync_directory(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def retention_cutoffs(

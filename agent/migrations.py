@@ -159,11 +159,12 @@ _V3_STATEMENTS = (
         reason VARCHAR NOT NULL,
         lookups BIGINT NOT NULL,
         approximate_lookups BIGINT NOT NULL,
-        hash_hit_tokens BIGINT NOT NULL,
-        usable_tokens BIGINT NOT NULL,
-        recoverable_tokens BIGINT NOT NULL,
-        replayed_tokens BIGINT NOT NULL,
-        bytes_moved BIGINT NOT NULL,
+        -- sums are HUGEINT: a minute's sum of 64-bit values can exceed BIGINT
+        hash_hit_tokens HUGEINT NOT NULL,
+        usable_tokens HUGEINT NOT NULL,
+        recoverable_tokens HUGEINT NOT NULL,
+        replayed_tokens HUGEINT NOT NULL,
+        bytes_moved HUGEINT NOT NULL,
         recovery_seconds_sum DOUBLE NOT NULL,
         {", ".join(f"{bucket_column(b)} BIGINT NOT NULL" for b in RECOVERY_BUCKETS_V3)},
         PRIMARY KEY (minute, engine_id, model, form, tier, outcome, reason)

@@ -313,16 +313,19 @@ INGEST_SEQ_GAPS = NamedQuery(
     name="ingest_seq_gaps",
     description=(
         "Per engine: the highest batch seq received, how many seqs were received (stored or "
-        "rejected) and how many below the highest never arrived (seqs start at 0; an engine "
-        "numbering from the wall clock, before schema 3, is counted from its first seq)."
+        "rejected) and how many below the highest never arrived (seqs start at 0; seqs from 2^40 "
+        "up come from older clients' wall-clock numbering and are counted from their first)."
     ),
     sql="""
     SELECT engine_id,
            max(seq) AS max_seq,
            count(DISTINCT seq) AS received,
-           (max(seq)::HUGEINT + 1
-            - CASE WHEN min(seq) >= 1099511627776 THEN min(seq) ELSE 0 END
-            - count(DISTINCT seq)) AS missing
+           (coalesce(max(seq) FILTER (WHERE seq < 1099511627776) + 1
+                     - count(DISTINCT seq) FILTER (WHERE seq < 1099511627776), 0)
+            + coalesce(max(seq) FILTER (WHERE seq >= 1099511627776)::HUGEINT
+                       - min(seq) FILTER (WHERE seq >= 1099511627776) + 1
+                       - count(DISTINCT seq) FILTER (WHERE seq >= 1099511627776), 0))::BIGINT
+           AS missing
     FROM ingest_batches
     WHERE status IN ('stored', 'rejected')
       AND ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id)

@@ -86,7 +86,8 @@ class LLM:
         cache: pool sizes and policies (defaults: :class:`CacheConfig`).
         telemetry: an agent URL (events are shipped by a :class:`TelemetryClient`), an
             :class:`EventSink`, or None (events discarded).
-        engine_id: names this engine in events (default ``host-pid``).
+        engine_id: names this engine in events (default ``host-pid-start``, unique per run:
+            see :func:`default_engine_id`).
         check_invariants: run :meth:`PrefixCache.check_invariants` after every chunk (tests).
         faults: faults to inject (:mod:`engine.faults`; tests), none by default.
         block_events: also emit a ``block`` event whenever a block or slot of any pool is

@@ -281,7 +281,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     print(
         f"kvscope agent: http://{config.host}:{config.port}, data in {config.data_dir} "
         f"(ingest queue {config.ingest_queue_max_events} events, full policy "
-        f"{config.ingest_full_policy}; raw rows kept {config.raw_retention_hours or 'forever'} h; "
+        f"{config.ingest_full_policy}; raw rows kept "
+        f"{'forever' if config.raw_retention_hours is None else f'{config.raw_retention_hours:g} h'}; "
         f"Parquet export {'to ' + str(config.parquet_dir) if config.export_enabled else 'off'})",
         file=sys.stderr,
         flush=True,

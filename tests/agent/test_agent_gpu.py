@@ -206,3 +206,14 @@ def test_nvml_error_mid_sample_skips_it(store: Store, caplog: pytest.LogCaptureF
     rows = gpu_rows(store)
     assert [(r[1], r[3], r[5]) for r in rows] == [(0, GIB, 0.37), (1, 512 * 1024**2, None)]
     assert 'kvscope_gpu_utilization_ratio{gpu="0"} 0.37' in gpu_lines(registry)
+
+
+def test_sample_times_only_increase_even_when_the_clock_steps_back(store: Store) -> None:
+    """The Parquet export orders gpu_stats rows by ts: a sample taken after the clock stepped
+    back is stamped just after the previous one instead of before it."""
+    sampler = GpuSampler(store, CollectorRegistry(), nvml=FakeNVML())
+    assert sampler.start() is True
+    assert sampler.sample(now=T0) == 2
+    assert sampler.sample(now=T0 - 3600) == 2
+    stamps = sorted({row[0] for row in gpu_rows(store)})
+    assert stamps == [datetime(2023, 11, 14, 22, 13, 20, 250000), datetime(2023, 11, 14, 22, 13, 20, 250001)]

@@ -486,3 +486,56 @@ def test_a_dead_decode_worker_is_replaced(base: int) -> None:
         assert decoder.restarts == 1
     finally:
         decoder.shutdown()
+
+
+def test_minute_sums_beyond_bigint_stay_exact(store: Store, base: int) -> None:
+    """2**16 lookups of 2**48 bytes moved in one minute sum to 2**64: the rollup keeps folding
+    (HUGEINT sums) instead of failing on every run (second review, finding 1)."""
+    n = 2**16
+    events = [
+        lookup_event(base, f"r{i}", tier="host", outcome="recovered", reason="kv_evicted", bytes_moved=2**48)
+        for i in range(n)
+    ]
+    assert store_batch(store, 0, events) == "stored"
+    assert fold_cache_minute(store) == n
+    store_batch(store, 1, events[:1])
+    assert fold_cache_minute(store) == 1
+    with store.cursor() as cur:
+        assert cur.execute("SELECT lookups, bytes_moved FROM cache_minute").fetchall() == [(n + 1, (n + 1) * 2**48)]
+
+
+def test_an_engine_upgraded_from_wall_clock_seqs_counts_each_numbering(client: TestClient, base: int) -> None:
+    legacy = 1_764_000_000_000_000
+    for seq in (legacy, legacy + 1, 0, 1, 5):
+        assert client.post("/v1/events", content=json_body(batch(seq, known_events(base))), headers=JSON).status_code == 200
+    assert client.get("/v1/query/ingest_seq_gaps").json()["rows"] == [["e1", legacy + 1, 5, 3]]
+    assert sql(client, "SELECT first_missing, last_missing FROM ingest_gaps") == [[2, 4]]
+    assert gauge(client, "kvscope_ingest_missing_batches") == 3.0
+    ranges = SeqRanges()
+    for seq in (legacy, legacy + 3, 0, 2):
+        ranges.add(seq)
+    assert ranges.missing == 3  # 1, legacy+1, legacy+2
+    assert ranges.top_in_numbering(7) == 2 and ranges.top_in_numbering(legacy + 9) == legacy + 3
+
+
+def test_parquet_parts_are_fsynced_before_they_are_recorded(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    import agent.maintenance as maintenance
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(maintenance.os, "fsync", fsync)
+    hour = (int(time.time()) // 3600 - 3) * 3600
+    store_batch(store, 0, [lookup_event(hour + 10, "r1")])
+    [part] = [p for p in export_parquet(store, tmp_path / "x", now=hour + 3 * 3600) if p.table == "cache_lookups"]
+    [path] = part.files
+    assert str(path.with_name(f".{path.name}.tmp")) in synced  # the file, before its rename
+    assert str(path.parent) in synced and str(path.parent.parent) in synced  # its folders

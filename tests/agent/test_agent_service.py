@@ -193,6 +193,8 @@ def test_load_config_buffers_retention_export(tmp_path: Path) -> None:
         ("raw_retention_hours: 0\n", "raw_retention_hours must be > 0 or null, got 0.0"),
         ("decode_processes: -1\n", "decode_processes must be >= 0, got -1"),
         ("raw_retention_hours: .inf\n", "raw_retention_hours must be a finite number, got inf"),
+        ("raw_retention_hours: 1.0e+8\n", "raw_retention_hours must be at most 876000, got 1e+08"),
+        ("ingest_block_timeout_seconds: 1.0e+10\n", "ingest_block_timeout_seconds must be at most 3600, got 1e+10"),
         ("ingest_block_timeout_seconds: .nan\n", "ingest_block_timeout_seconds must be a finite number, got nan"),
     ],
 )
