@@ -4,11 +4,9 @@ every event sent is stored exactly once and the stored batches' seqs have no gap
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,39 +16,16 @@ import httpx
 from agent.store import Store
 from engine.events import EngineStats, Form, Tier
 from engine.telemetry import TelemetryClient
+from tests.agent_process import start_agent
 from tests.helpers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = """
-import sys
-from pathlib import Path
-from agent.config import AgentConfig
-from agent.server import serve
-serve(AgentConfig(port=int(sys.argv[1]), data_dir=Path(sys.argv[2])), log_level="error")
-"""
 EVENTS = 3_000
 KILLS = 3
 
 
-def start_agent(port: int, data: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("KVSCOPE_TOKEN", None)
-    process = subprocess.Popen([sys.executable, "-c", SCRIPT, str(port), str(data)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:
-        assert process.poll() is None, "the agent exited during start-up"
-        assert time.monotonic() < deadline, "the agent did not become ready"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-
-
 def test_sigkilled_agent_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     port, data = free_port(), tmp_path / "data"
-    agent = start_agent(port, data)
+    agent = start_agent(port, data, log_level="error")
     engines = ("e-durable-0", "e-durable-1")
     clients = {
         engine: TelemetryClient(
@@ -95,7 +70,7 @@ def test_sigkilled_agent_loses_and_duplicates_nothing(tmp_path: Path) -> None:
             time.sleep(rng.uniform(0.1, 0.5))
             agent.send_signal(signal.SIGKILL)
             agent.wait(timeout=10)
-            agent = start_agent(port, data)
+            agent = start_agent(port, data, log_level="error")
         for sender in senders:
             sender.join(timeout=60)
         assert all(event.is_set() for event in done.values())

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,49 +12,24 @@ import pytest
 from agent_testdata import batch, json_body, known_events, minute_start
 
 from agent.store import Store
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = """
-import sys
-from pathlib import Path
-from agent.config import AgentConfig
-from agent.server import serve
-serve(AgentConfig(port=int(sys.argv[1]), data_dir=Path(sys.argv[2])), log_level="warning")
-print("serve returned", flush=True)
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.agent_process import ROOT, agent_command, agent_env, start_agent, wait_ready
+from tests.helpers import free_port
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_stores_events_and_shuts_down_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("KVSCOPE_TOKEN", None)
     process = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(port), str(tmp_path)],
+        agent_command(port, tmp_path),
         cwd=ROOT,
-        env=env,
+        env=agent_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "the agent did not become ready"
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        wait_ready(process, port)
         response = httpx.post(
             f"{url}/v1/events",
             content=json_body(batch(1, known_events(minute_start()))),
@@ -79,28 +51,9 @@ def test_serve_stores_events_and_shuts_down_cleanly(tmp_path: Path, sig: signal.
 
 def test_sigkilled_agent_leaves_no_decode_workers(tmp_path: Path) -> None:
     """The agent decodes batches in worker processes; killed with SIGKILL (no cleanup runs), it
-    must not leave them behind: each worker watches the agent's pid and exits."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("KVSCOPE_TOKEN", None)
-    process = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(port), str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    must not leave them behind: each worker watches the agent and exits."""
+    process = start_agent(free_port(), tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, "the agent exited during start-up"
-            assert time.monotonic() < deadline, "the agent did not become ready"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
         descendants = _descendants(process.pid)
         assert len(descendants) >= 2, descendants  # the decode workers (and their forkserver)
         process.kill()

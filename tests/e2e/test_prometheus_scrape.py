@@ -2,7 +2,7 @@
 PromQL query over the ``kvscope_`` lookup counters returns the recoverable hit rate per form;
 ``promtool check metrics`` accepts the agent's /metrics text.
 
-Self-contained (no ``tests.`` imports) so it runs under both ``pytest`` and ``python -m pytest``.
+Run it as ``make test`` does (``python -m pytest``): it imports the shared test helpers.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,21 +21,15 @@ import httpx
 import msgspec
 import pytest
 
+from tests.agent.agent_testdata import lookup_event
+from tests.agent_process import ROOT, agent_command, agent_env
+from tests.helpers import free_port
+
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus") or ""
 PROMTOOL = shutil.which("promtool") or ""
 MISSING = "install Debian's `prometheus` package (`apt-get install prometheus`; `make test` does it as root)"
-
-AGENT_SCRIPT = """
-import sys
-from pathlib import Path
-from agent.config import AgentConfig
-from agent.server import serve
-serve(AgentConfig(host="127.0.0.1", port=int(sys.argv[1]), data_dir=Path(sys.argv[2])),
-      log_level="warning")
-"""
 
 QUERY = (
     "sum by (form) (kvscope_lookup_recoverable_tokens_total)"
@@ -58,36 +50,11 @@ scrape_configs:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def lookup(ts: float, request_id: str, **fields: Any) -> dict[str, Any]:
-    event = {
-        "kind": "cache_lookup",
-        "ts": ts,
-        "engine_id": "e1",
-        "request_id": request_id,
-        "model": "m1",
-        "form": "full_kv",
-        "tier": "device",
-        "outcome": "hit",
-        "reason": "none",
-        "hash_hit_tokens": 0,
-        "usable_tokens": 0,
-        "recoverable_tokens": 0,
-    }
-    event.update(fields)
-    return event
-
-
 def lookups(ts: float) -> list[dict[str, Any]]:
     """full_kv: (600 + 900) / (800 + 1200) = 3/4; linear_state: (400 + 600) / (800 + 1200) = 1/2."""
     return [
-        lookup(ts, "r1", hash_hit_tokens=800, usable_tokens=800, recoverable_tokens=600),
-        lookup(
+        lookup_event(ts, "r1", hash_hit_tokens=800, usable_tokens=800, recoverable_tokens=600),
+        lookup_event(
             ts,
             "r1",
             form="linear_state",
@@ -99,7 +66,7 @@ def lookups(ts: float) -> list[dict[str, Any]]:
             replayed_tokens=200,
             approximate=True,
         ),
-        lookup(
+        lookup_event(
             ts + 1,
             "r2",
             tier="host",
@@ -109,7 +76,7 @@ def lookups(ts: float) -> list[dict[str, Any]]:
             usable_tokens=1200,
             recoverable_tokens=900,
         ),
-        lookup(
+        lookup_event(
             ts + 1,
             "r2",
             form="linear_state",
@@ -171,17 +138,15 @@ def test_prometheus_scrapes_recoverable_hit_rate_per_form(tmp_path: Path) -> Non
     agent_port, prom_port = free_port(), free_port()
     agent_url = f"http://127.0.0.1:{agent_port}"
     prom_url = f"http://127.0.0.1:{prom_port}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("KVSCOPE_TOKEN", None)
     agent: subprocess.Popen[bytes] | None = None
     prometheus: subprocess.Popen[bytes] | None = None
     passed = False
     try:
         agent = start(
-            [sys.executable, "-c", AGENT_SCRIPT, str(agent_port), str(tmp_path / "data")],
+            agent_command(agent_port, tmp_path / "data"),
             tmp_path / "agent.log",
             cwd=ROOT,
-            env=env,
+            env=agent_env(),
         )
         wait_for(
             "agent /readyz",

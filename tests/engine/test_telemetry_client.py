@@ -18,19 +18,7 @@ def test_emit_after_close_is_dropped_not_queued_forever() -> None:
     ``dropped_events`` (never queued, so ``flush`` returns at once)."""
     client = TelemetryClient("http://127.0.0.1:9", "e-review", max_retries=1)
     client.close(timeout_seconds=2)
-    event = EngineStats(
-        ts=time.time(),
-        engine_id="e-review",
-        model="m",
-        form=Form.FULL_KV,
-        tier=Tier.DEVICE,
-        used_bytes=0,
-        used_blocks=0,
-        cached_blocks=0,
-        free_blocks=0,
-        total_blocks=1,
-    )
-    client.emit(event)
+    client.emit(_stats("e-review"))
     assert client.flush(timeout_seconds=1.0), "an event emitted after close() can never be flushed"
     assert client.dropped_events == 1
 

@@ -1,0 +1,58 @@
+"""A real agent process for tests: ``kvscope``'s ``serve`` on loopback, started with
+``sys.executable`` and waited for on ``/readyz`` with a bounded loop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT_SCRIPT = """
+import sys
+from pathlib import Path
+from agent.config import AgentConfig
+from agent.server import serve
+serve(AgentConfig(host="127.0.0.1", port=int(sys.argv[1]), data_dir=Path(sys.argv[2])), log_level=sys.argv[3])
+print("serve returned", flush=True)
+"""
+
+
+def agent_command(port: int, data: Path, log_level: str = "warning") -> list[str]:
+    """The command line of an agent on 127.0.0.1:``port`` storing under ``data``."""
+    return [sys.executable, "-c", AGENT_SCRIPT, str(port), str(data), log_level]
+
+
+def agent_env() -> dict[str, str]:
+    """The environment for it: this checkout importable, no token."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("KVSCOPE_TOKEN", None)
+    return env
+
+
+def start_agent(port: int, data: Path, *, log_level: str = "warning", **popen: Any) -> subprocess.Popen[Any]:
+    """Start an agent (output to DEVNULL unless ``popen`` says otherwise) and wait until ready."""
+    popen.setdefault("stdout", subprocess.DEVNULL)
+    popen.setdefault("stderr", subprocess.DEVNULL)
+    process = subprocess.Popen(agent_command(port, data, log_level), cwd=ROOT, env=agent_env(), **popen)
+    wait_ready(process, port)
+    return process
+
+
+def wait_ready(process: subprocess.Popen[Any], port: int, timeout: float = 60) -> None:
+    """Poll ``/readyz`` until 200; fail if the process exits or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, f"the agent exited during start-up ({process.returncode})"
+        assert time.monotonic() < deadline, "the agent did not become ready"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
