@@ -145,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--agent", default=None, help="through a running agent (default when --db is absent)")
     where.add_argument("--db", type=Path, default=None, help="a DuckDB file, opened read-only (no agent running)")
     sql.add_argument("--format", choices=("table", "csv", "json"), default="table")
+
+    alerts = sub.add_parser("alerts", parents=[verbose], help="alert rule tooling")
+    alerts_sub = alerts.add_subparsers(dest="alerts_command", required=True)
+    check = alerts_sub.add_parser("check", parents=[verbose], help="validate rule files (like promtool check rules)")
+    check.add_argument("files", type=Path, nargs="+", metavar="FILE")
     return parser
 
 
@@ -399,7 +404,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_alerts(args: argparse.Namespace) -> int:
+    from alerts.rulefile import RuleFileError, load_rule_file
+
+    failed = 0
+    for path in args.files:
+        try:
+            rules = load_rule_file(path)
+        except RuleFileError as exc:
+            print(f"FAILED: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{path}: SUCCESS: {len(rules.groups)} groups, {len(rules.rules)} rules found")
+    return 1 if failed else 0
+
+
 COMMANDS = {
+    "alerts": cmd_alerts,
     "bench": cmd_bench,
     "up": cmd_up,
     "agent": cmd_agent,

@@ -1,0 +1,159 @@
+"""Rule files (issue 7, item 1): Prometheus-shaped YAML, every built-in kind, strict loading
+with the file, group, rule and field named; ``kvscope alerts check``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from alerts.rulefile import (
+    DEFAULT_BURN_WINDOWS,
+    DEFAULT_RULES_PATH,
+    KINDS,
+    HitRateBelow,
+    HitRateDrop,
+    NamedQueryExpr,
+    RuleFileError,
+    SqlExpr,
+    check_template,
+    load_rule_file,
+    parse_duration,
+    parse_rule_file,
+    render_template,
+)
+from kvscope.cli import main
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("0", 0.0), ("90s", 90.0), ("5m", 300.0), ("1h30m", 5400.0), ("500ms", 0.5), ("1d", 86400.0), ("2w", 1209600.0), ("1y", 31536000.0)],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "5", "5x", "m5", "1.5h", "5m1h", "-5m", 300])
+def test_bad_durations(text: object) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+def test_the_default_file_has_every_built_in_kind() -> None:
+    rules = load_rule_file(DEFAULT_RULES_PATH)
+    assert {rule.kind for rule in rules.rules} == set(KINDS)
+    drop = next(r for r in rules.rules if r.alert == "RecoverableHitRateDrop")
+    assert drop.settings == HitRateDrop(window=300.0, baseline_window=3600.0, min_prompt_tokens=10_000)
+    assert (drop.for_seconds, drop.keep_firing_for_seconds, drop.severity) == (120.0, 300.0, "page")
+    slo = next(r for r in rules.rules if r.alert == "RecoverableHitRateSLO")
+    assert isinstance(slo.settings, HitRateBelow) and slo.settings.windows == DEFAULT_BURN_WINDOWS
+    assert [g.interval_seconds for g in rules.groups] == [None, None]
+
+
+def rule_file(**rule: object) -> dict[str, object]:
+    base: dict[str, object] = {"alert": "A", "labels": {"severity": "page"}}
+    base.update(rule)
+    return {"groups": [{"name": "g", "interval": "30s", "rules": [base]}]}
+
+
+def test_expr_rules_named_query_and_sql() -> None:
+    named = parse_rule_file(rule_file(expr={"query": "hit_rate_timeseries", "params": {"since_seconds": 600}}))
+    assert named.rules[0].expr == NamedQueryExpr("hit_rate_timeseries", {"since_seconds": "600"})
+    assert named.groups[0].interval_seconds == 30.0
+    statement = "SELECT engine_id AS engine, 0.5 AS value FROM requests"
+    assert parse_rule_file(rule_file(expr=statement)).rules[0].expr == SqlExpr(statement)
+
+
+def test_burn_windows_and_settings_from_yaml() -> None:
+    windows = [{"long": "1h", "short": "5m", "burn_rate": 14.4, "severity": "page"}]
+    rules = parse_rule_file(rule_file(kind="recoverable_hit_rate_below", objective=0.9, windows=windows))
+    settings = rules.rules[0].settings
+    assert isinstance(settings, HitRateBelow)
+    assert (settings.objective, settings.windows[0].long, settings.windows[0].short) == (0.9, 3600.0, 300.0)
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ({"kind": "recoverable_hit_rate_drop", "windw": "5m"}, "rule 'A': unknown field 'windw'"),
+        ({"kind": "no_such_kind"}, "rule 'A': field kind: unknown kind 'no_such_kind'"),
+        ({"kind": "engine_silent", "expr": "SELECT 1 AS value"}, "give exactly one of kind"),
+        ({}, "give exactly one of kind"),
+        ({"kind": "recoverable_hit_rate_drop", "window": "5"}, "field window: '5' is not a duration"),
+        ({"kind": "recoverable_hit_rate_drop", "for": "2 minutes"}, "field for: '2 minutes' is not a duration"),
+        ({"kind": "recoverable_hit_rate_drop", "clear_relative_drop": 0.5}, "clear thresholds must not exceed fire"),
+        ({"kind": "recoverable_hit_rate_drop", "baseline": "lastweek"}, "baseline must be trailing or yesterday"),
+        ({"kind": "recoverable_hit_rate_drop", "min_prompt_tokens": 1.5}, "field min_prompt_tokens: expected int"),
+        ({"kind": "recoverable_hit_rate_below", "objective": 1.0}, "objective must be a ratio in (0, 1)"),
+        ({"kind": "recoverable_hit_rate_below", "windows": [{"long": "5m", "short": "1h", "burn_rate": 2, "severity": "page"}]}, "need 0 < short < long"),
+        ({"kind": "engine_silent", "silent_for": "2h"}, "need 0 < silent_for < lookback"),
+        ({"expr": "COPY requests TO '/tmp/x.csv'"}, "field expr: only read statements"),
+        ({"expr": "SELECT 1; SELECT 2"}, "field expr: exactly one statement"),
+        ({"expr": {"query": "nope"}}, "field expr: unknown query 'nope'"),
+        ({"expr": {"query": "totals", "params": {"bogus": 1}}}, "field expr: parameter 'bogus': unknown parameter of query totals"),
+        ({"kind": "engine_silent", "labels": {}}, "field labels.severity: required"),
+        ({"kind": "engine_silent", "labels": {"severity": "urgent"}}, "field labels.severity: required"),
+        ({"kind": "engine_silent", "labels": {"severity": "page", "bad-name": "x"}}, "'bad-name' is not a valid name"),
+        ({"kind": "engine_silent", "annotations": {"summary": "{{ .Labels.engine }}"}}, "field annotations.summary: unsupported template"),
+        ({"kind": "engine_silent", "annotations": {"summary": "{{ $value | toUpper }}"}}, "unknown template pipe 'toUpper'"),
+        ({"kind": "engine_silent", "annotations": {"summary": 5}}, "field annotations.summary: expected a string"),
+        ({"alert": "has space", "kind": "engine_silent"}, "rule 0: field alert: must be a name"),
+    ],
+)
+def test_bad_rules_name_file_group_rule_and_field(tmp_path: Path, rule: dict[str, object], message: str) -> None:
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rule_file(**rule)))
+    with pytest.raises(RuleFileError) as info:
+        load_rule_file(path)
+    assert str(info.value).startswith(f"{path}: group 'g': ")
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({"group": []}, "unknown field 'group'"),
+        ({"groups": []}, "groups must be a non-empty list"),
+        ({"groups": [{"name": "g", "rules": [], "extra": 1}]}, "group 0: unknown field 'extra'"),
+        ({"groups": [{"name": "g", "interval": "soon", "rules": [{}]}]}, "group 'g': field interval: 'soon' is not a duration"),
+        ({"groups": [{"name": "g", "rules": [{"alert": "A", "kind": "engine_silent", "labels": {"severity": "page"}}] * 2}]}, "alert names must be unique"),
+        ({"groups": [{"name": "g", "rules": [{"alert": "A", "kind": "engine_silent", "labels": {"severity": "page"}}]}] * 2}, "group names must be unique"),
+    ],
+)
+def test_bad_files(document: dict[str, object], message: str) -> None:
+    with pytest.raises(RuleFileError, match=r"^<rules>: ") as info:
+        parse_rule_file(document)
+    assert message in str(info.value)
+
+
+def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
+    with pytest.raises(RuleFileError, match="cannot read rule file"):
+        load_rule_file(tmp_path / "absent.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("groups: [\n")
+    with pytest.raises(RuleFileError, match="invalid YAML"):
+        load_rule_file(broken)
+
+
+def test_templates_render_labels_and_value() -> None:
+    text = "{{ $labels.engine }} at {{ $value | humanizePercentage }} ({{$value}}, {{ $labels.absent }})"
+    check_template(text)
+    assert render_template(text, {"engine": "e1"}, 0.4235) == "e1 at 42.35% (0.4235, )"
+    assert render_template("{{ $value }}", {}, None) == "no data"
+    with pytest.raises(ValueError, match="unbalanced"):
+        check_template("{{ $value }")
+
+
+def test_alerts_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(rule_file(kind="engine_silent", silent_for="5x")))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["alerts", "check", str(DEFAULT_RULES_PATH), str(bad)])
+    assert exit_info.value.code == 1
+    out, err = capsys.readouterr()
+    assert out == f"{DEFAULT_RULES_PATH}: SUCCESS: 2 groups, 6 rules found\n"
+    assert err == f"FAILED: {bad}: group 'g': rule 'A': field silent_for: '5x' is not a duration (use units ms, s, m, h, d, w, y, e.g. 1h30m)\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["alerts", "check", str(DEFAULT_RULES_PATH)])
+    assert exit_info.value.code == 0
