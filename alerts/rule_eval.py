@@ -1,0 +1,342 @@
+"""The pure evaluator of rule-file rules (:mod:`alerts.rulefile`):
+``evaluate(rules, data, now, previous_state) -> (state, notifications)``.
+
+No I/O and no clock: the windowed inputs of every series come in ``data`` (what the scheduler
+queried), the time in ``now``, so golden time series pin the behaviour exactly.
+
+Per series, each kind first gives a **verdict**: active, inactive, or no data, plus a value:
+
+* ``recoverable_hit_rate_drop`` — value is the current recoverable hit rate (Σ recoverable /
+  Σ prompt tokens over the window). Active when it fell below the baseline's by at least both
+  fire thresholds (relative to the baseline, and absolute); once active, it stays active until
+  the drop is below either clear threshold (hysteresis). No data when either window has fewer
+  than ``min_prompt_tokens`` prompt tokens.
+* ``recoverable_hit_rate_below`` — the error ratio (share of prompt tokens not recoverable) over
+  each window, as a burn rate = error ratio / (1 − objective). Each burn window is its own alert
+  series (labels ``window="1h/5m"`` and that window's ``severity``): active when both its long and
+  short window burn at least its rate; the value is the short window's burn rate. No data when
+  either window lacks volume.
+* ``form_invalidation_spike`` — value is the reason's share of the form's lookups in the window;
+  active when it exceeds the baseline share by ``min_share_increase``; no data below
+  ``min_lookups``.
+* ``recovery_latency_high`` — value is the ``quantile`` of recovery seconds estimated from
+  cumulative bucket counts as Prometheus's ``histogram_quantile`` does (linear within a bucket);
+  active above ``threshold``; no data below ``min_recoveries``.
+* ``ingest_stalled`` / ``engine_silent`` — value is seconds since the last event; active when at
+  least ``silent_for``. Never no data (silence is the signal).
+* ``expr`` rules — value is the query's ``value`` column for that label set; active when it is
+  present and non-zero (a Prometheus-style expression selects the series that alert); a series
+  the query no longer returns is inactive.
+
+Then Prometheus's alert state machine, per fingerprint (rule name + sorted labels):
+inactive → **pending** when active (straight to firing when ``for`` is 0) → **firing** once
+active for ``for`` → **resolved** once inactive for ``keep_firing_for``. A pending alert that
+turns inactive (or loses its data) goes back to inactive silently. **No data never resolves a
+firing alert** (an engine that stopped serving has not recovered) and never advances a pending
+one. Exactly one notification per firing and per resolve; re-sending while firing is the
+receivers' job.
+
+Peers: Prometheus's rule manager (pending/``for``/``keep_firing_for``, ``histogram_quantile``);
+the SRE workbook's multiwindow burn-rate alerts.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from alerts.rulefile import (
+    HitRateBelow,
+    HitRateDrop,
+    InvalidationSpike,
+    RecoveryLatencyHigh,
+    Rule,
+    Silence,
+    render_template,
+)
+
+Labels = tuple[tuple[str, str], ...]
+"""A series' labels, sorted by name."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Σ recoverable and Σ prompt tokens of one series over one window."""
+
+    recoverable: int
+    prompt: int
+
+    def error_ratio(self) -> float:
+        return 1.0 - self.recoverable / self.prompt
+
+
+@dataclass(frozen=True, slots=True)
+class DropInput:
+    current: Tokens
+    baseline: Tokens
+
+
+@dataclass(frozen=True, slots=True)
+class BurnInput:
+    windows: tuple[tuple[Tokens, Tokens], ...]
+    """(long, short) per burn window of the rule, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShareInput:
+    reason_lookups: int
+    form_lookups: int
+    baseline_reason_lookups: int
+    baseline_form_lookups: int
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyInput:
+    bounds: tuple[float, ...]
+    cumulative: tuple[int, ...]
+    """Counts of recoveries ≤ each bound, then the total (the +Inf bucket) last."""
+
+
+@dataclass(frozen=True, slots=True)
+class SilenceInput:
+    seconds_since_last: float
+
+
+SeriesInput = DropInput | BurnInput | ShareInput | LatencyInput | SilenceInput | float | None
+"""What one series brings: the kind's input, an expr rule's value, or None (no data)."""
+
+Data = Mapping[str, Mapping[Labels, SeriesInput]]
+"""Rule name → series labels → input."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    active: bool | None
+    """None: no data."""
+    value: float | None
+
+
+class Status(enum.StrEnum):
+    INACTIVE = "inactive"
+    PENDING = "pending"
+    FIRING = "firing"
+    RESOLVED = "resolved"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlertState:
+    """One alert: ``active_since`` when its condition last turned true (pending time),
+    ``firing_since``, ``inactive_since`` while a firing alert's condition is false
+    (``keep_firing_for``), the last value."""
+
+    alert: str
+    fingerprint: str
+    labels: Mapping[str, str]
+    status: Status
+    active_since: float | None = None
+    firing_since: float | None = None
+    inactive_since: float | None = None
+    value: float | None = None
+
+
+State = Mapping[str, AlertState]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Notification:
+    alert: str
+    fingerprint: str
+    status: Status
+    labels: Mapping[str, str]
+    value: float | None
+    at: float
+    annotations: Mapping[str, str]
+
+
+def fingerprint(alert: str, labels: Mapping[str, str]) -> str:
+    """sha256 (hex) of the rule name and the sorted labels: the alert's stable identity."""
+    canonical = json.dumps([alert, sorted(labels.items())], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def verdict(rule: Rule, series: SeriesInput, was_active: bool) -> Verdict:
+    """The kind's verdict for one series (see the module docstring).
+
+    Raises:
+        TypeError: the input does not match the rule's kind (a scheduler bug).
+    """
+    settings = rule.settings
+    if series is None:
+        return Verdict(None, None)
+    if rule.expr is not None:
+        if not isinstance(series, int | float):
+            raise TypeError(f"{rule.alert}: an expr rule needs a number, got {series!r}")
+        return Verdict(series != 0, float(series))
+    if isinstance(settings, HitRateDrop) and isinstance(series, DropInput):
+        return _drop(settings, series, was_active)
+    if isinstance(settings, InvalidationSpike) and isinstance(series, ShareInput):
+        return _spike(settings, series)
+    if isinstance(settings, RecoveryLatencyHigh) and isinstance(series, LatencyInput):
+        return _latency(settings, series)
+    if isinstance(settings, Silence) and isinstance(series, SilenceInput):
+        return Verdict(series.seconds_since_last >= settings.silent_for, series.seconds_since_last)
+    raise TypeError(f"{rule.alert}: input {type(series).__name__} does not fit kind {rule.kind}")
+
+
+def _drop(s: HitRateDrop, x: DropInput, was_active: bool) -> Verdict:
+    if x.current.prompt < s.min_prompt_tokens or x.baseline.prompt < s.min_prompt_tokens:
+        return Verdict(None, None)
+    current = x.current.recoverable / x.current.prompt
+    baseline = x.baseline.recoverable / x.baseline.prompt
+    absolute = baseline - current
+    relative = absolute / baseline if baseline > 0 else 0.0
+    if was_active:
+        cleared = relative < s.clear_relative_drop or absolute < s.clear_absolute_drop
+        return Verdict(not cleared, current)
+    return Verdict(relative >= s.fire_relative_drop and absolute >= s.fire_absolute_drop, current)
+
+
+def burn_verdicts(s: HitRateBelow, x: BurnInput | None) -> list[tuple[dict[str, str], Verdict]]:
+    """One (labels, verdict) per burn window: ``window`` and ``severity`` labels; active when both
+    its long and short window burn at least its rate; no data when either lacks volume."""
+    if x is not None and len(x.windows) != len(s.windows):
+        raise TypeError(f"need {len(s.windows)} burn windows, got {len(x.windows)}")
+    budget = 1.0 - s.objective
+    out: list[tuple[dict[str, str], Verdict]] = []
+    for i, window in enumerate(s.windows):
+        labels = {"window": f"{_short_duration(window.long)}/{_short_duration(window.short)}", "severity": window.severity}
+        if x is None:
+            out.append((labels, Verdict(None, None)))
+            continue
+        long, short = x.windows[i]
+        if long.prompt < s.min_prompt_tokens or short.prompt < s.min_prompt_tokens:
+            out.append((labels, Verdict(None, None)))
+            continue
+        long_rate, short_rate = long.error_ratio() / budget, short.error_ratio() / budget
+        out.append((labels, Verdict(long_rate >= window.burn_rate and short_rate >= window.burn_rate, short_rate)))
+    return out
+
+
+def _short_duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def _spike(s: InvalidationSpike, x: ShareInput) -> Verdict:
+    if x.form_lookups < s.min_lookups:
+        return Verdict(None, None)
+    share = x.reason_lookups / x.form_lookups
+    baseline = x.baseline_reason_lookups / x.baseline_form_lookups if x.baseline_form_lookups else 0.0
+    return Verdict(share - baseline >= s.min_share_increase, share)
+
+
+def histogram_quantile(q: float, bounds: Sequence[float], cumulative: Sequence[int]) -> float:
+    """Prometheus's ``histogram_quantile``: the q-quantile from cumulative bucket counts (the
+    last count is the total), linear within the bucket it falls in; a quantile in the +Inf
+    bucket is the highest finite bound."""
+    total = cumulative[-1]
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0
+    for bound, count in zip(bounds, cumulative, strict=False):
+        if count >= rank:
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return bounds[-1]
+
+
+def _latency(s: RecoveryLatencyHigh, x: LatencyInput) -> Verdict:
+    if len(x.cumulative) != len(x.bounds) + 1:
+        raise TypeError("need one cumulative count per bound plus the total")
+    if x.cumulative[-1] < s.min_recoveries:
+        return Verdict(None, None)
+    value = histogram_quantile(s.quantile, x.bounds, x.cumulative)
+    return Verdict(value > s.threshold, value)
+
+
+def evaluate(
+    rules: Sequence[Rule], data: Data, now: float, previous_state: State
+) -> tuple[dict[str, AlertState], list[Notification]]:
+    """Evaluate every rule's series at ``now`` (unix seconds). Returns the new state
+    (``previous_state`` is not modified) and the notifications (firing, resolved) in rule order,
+    then label order. A series of a rule that is absent from ``data`` this time is treated as no
+    data (kinds) or inactive (expr rules)."""
+    state = dict(previous_state)
+    notifications: list[Notification] = []
+    for rule in rules:
+        series_inputs = data.get(rule.alert, {})
+        keys = set(series_inputs)
+        if rule.expr is not None:  # an expr series that is no longer returned is inactive
+            keys |= {_labels_key(st.labels, rule) for st in state.values() if st.alert == rule.alert}
+        for key in sorted(keys):
+            raw = series_inputs.get(key, 0.0 if rule.expr is not None else None)
+            for extra, v in _verdicts(rule, raw, key, state):
+                labels = {**rule.labels, **dict(key), **extra}
+                fp = fingerprint(rule.alert, labels)
+                after, change = _step(rule, state.get(fp), fp, labels, v, now)
+                if after is not None:
+                    state[fp] = after
+                if change is not None:
+                    notifications.append(
+                        Notification(
+                            alert=rule.alert,
+                            fingerprint=fp,
+                            status=change,
+                            labels=labels,
+                            value=v.value,
+                            at=now,
+                            annotations={k: render_template(t, labels, v.value) for k, t in rule.annotations.items()},
+                        )
+                    )
+    return state, notifications
+
+
+def _verdicts(
+    rule: Rule, raw: SeriesInput, key: Labels, state: Mapping[str, AlertState]
+) -> list[tuple[dict[str, str], Verdict]]:
+    if isinstance(rule.settings, HitRateBelow):
+        if raw is not None and not isinstance(raw, BurnInput):
+            raise TypeError(f"{rule.alert}: input {type(raw).__name__} does not fit kind {rule.kind}")
+        return burn_verdicts(rule.settings, raw)
+    before = state.get(fingerprint(rule.alert, {**rule.labels, **dict(key)}))
+    was_active = before is not None and before.status in (Status.PENDING, Status.FIRING)
+    return [({}, verdict(rule, raw, was_active))]
+
+
+def _labels_key(labels: Mapping[str, str], rule: Rule) -> Labels:
+    """The series labels of a stored alert: its labels minus the rule's own."""
+    return tuple(sorted((k, v) for k, v in labels.items() if k not in rule.labels))
+
+
+def _step(
+    rule: Rule, before: AlertState | None, fp: str, labels: Mapping[str, str], v: Verdict, now: float
+) -> tuple[AlertState | None, Status | None]:
+    """One state-machine step: the new state (None: unchanged) and the notification status."""
+    status = before.status if before is not None else Status.INACTIVE
+    if v.active is None:  # no data: firing stays firing, pending falls back silently
+        if before is not None and status == Status.PENDING:
+            return replace(before, status=Status.INACTIVE, active_since=None), None
+        return None, None
+    fresh = AlertState(alert=rule.alert, fingerprint=fp, labels=labels, status=Status.INACTIVE, value=v.value)
+    current = before if before is not None else fresh
+    if v.active:
+        if status == Status.FIRING:
+            return replace(current, inactive_since=None, value=v.value), None
+        since = current.active_since if status == Status.PENDING and current.active_since is not None else now
+        if now - since >= rule.for_seconds:
+            return replace(current, status=Status.FIRING, active_since=since, firing_since=now, inactive_since=None, value=v.value), Status.FIRING
+        return replace(current, status=Status.PENDING, active_since=since, value=v.value), None
+    if status == Status.FIRING:
+        inactive_since = current.inactive_since if current.inactive_since is not None else now
+        if now - inactive_since >= rule.keep_firing_for_seconds:
+            return replace(current, status=Status.RESOLVED, active_since=None, inactive_since=None, value=v.value), Status.RESOLVED
+        return replace(current, inactive_since=inactive_since, value=v.value), None
+    if status == Status.PENDING:
+        return replace(current, status=Status.INACTIVE, active_since=None, value=v.value), None
+    return (replace(current, value=v.value) if before is not None else None), None
