@@ -1,0 +1,235 @@
+"""The query side of rule-file evaluation: :func:`collect_inputs` reads, for every rule, the
+windowed inputs :func:`alerts.rule_eval.evaluate` needs, from the agent's store.
+
+Windows end at ``now − lag`` (late events are allowed for by the ingest lag) and are half-open
+``[start, end)`` on the events' ``ts``:
+
+* ``recoverable_hit_rate_drop`` — per (engine, model) from ``requests``: Σ recoverable and
+  Σ prompt tokens over the window, and over the baseline (the ``baseline_window`` before it, or
+  the same window 24 h earlier);
+* ``recoverable_hit_rate_below`` — the same sums over each burn window's long and short window;
+* ``form_invalidation_spike`` — per (engine, form, reason) from ``cache_lookups``: the reason's
+  invalidated lookups and the form's lookups, in the window and in the baseline before it;
+* ``recovery_latency_high`` — per (engine, form, tier) from the ``cache_minute`` rollup (whole
+  minutes overlapping the window): cumulative recovery-latency bucket counts and the number of
+  recoveries (lookups recovered or replayed);
+* ``engine_silent`` — per engine that stored a batch within ``lookback``: seconds since its last
+  stored batch; ``ingest_stalled`` — one series (no labels): seconds since the last stored batch
+  of any engine, when one was stored within ``lookback``;
+* ``expr`` rules — the named query or SQL, run read-only with the agent's row and time limits:
+  the ``value`` column is the series' value, every other column a label.
+
+Peer: Prometheus's rule evaluation, where a rule's expression is queried at each evaluation time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+import pyarrow as pa
+
+from agent import queries, sql
+from agent.ingest import RECOVERY_BUCKETS
+from agent.migrations import bucket_column
+from agent.store import Store, to_timestamp
+from alerts.rule_eval import (
+    BurnInput,
+    Data,
+    DropInput,
+    LatencyInput,
+    SeriesInput,
+    ShareInput,
+    SilenceInput,
+    Tokens,
+)
+from alerts.rulefile import (
+    HitRateBelow,
+    HitRateDrop,
+    InvalidationSpike,
+    NamedQueryExpr,
+    RecoveryLatencyHigh,
+    Rule,
+    Silence,
+)
+
+DAY = 86_400.0
+
+
+class ExprError(ValueError):
+    """An expr rule's query cannot feed an alert (no ``value`` column, a failing query)."""
+
+
+def collect_inputs(
+    store: Store,
+    rules: Sequence[Rule],
+    *,
+    now: float,
+    lag_seconds: float = 5.0,
+    row_limit: int = 10_000,
+    timeout_seconds: float = 10.0,
+) -> Data:
+    """Every rule's series inputs at ``now`` (unix seconds).
+
+    Raises:
+        ExprError: an expr rule's query failed or returned no ``value`` column (the message
+            names the rule).
+        duckdb.Error, StoreClosedError: the store failed.
+    """
+    end = now - lag_seconds
+    data: dict[str, Mapping[tuple[tuple[str, str], ...], SeriesInput]] = {}
+    for rule in rules:
+        settings = rule.settings
+        if rule.expr is not None:
+            data[rule.alert] = _expr(store, rule, now, row_limit, timeout_seconds)
+        elif isinstance(settings, HitRateDrop):
+            start = end - settings.window
+            if settings.baseline == "trailing":
+                base = (start - settings.baseline_window, start)
+            else:
+                base = (start - DAY, end - DAY)
+            current = _token_sums(store, start, end)
+            baseline = _token_sums(store, *base)
+            data[rule.alert] = {
+                key: DropInput(current.get(key, Tokens(0, 0)), baseline.get(key, Tokens(0, 0)))
+                for key in current.keys() | baseline.keys()
+            }
+        elif isinstance(settings, HitRateBelow):
+            sums = [(_token_sums(store, end - w.long, end), _token_sums(store, end - w.short, end)) for w in settings.windows]
+            keys = set().union(*(long.keys() | short.keys() for long, short in sums))
+            empty = Tokens(0, 0)
+            data[rule.alert] = {
+                key: BurnInput(tuple((long.get(key, empty), short.get(key, empty)) for long, short in sums))
+                for key in keys
+            }
+        elif isinstance(settings, InvalidationSpike):
+            data[rule.alert] = _shares(store, end - settings.window, end, settings.baseline_window)
+        elif isinstance(settings, RecoveryLatencyHigh):
+            data[rule.alert] = _latency(store, end - settings.window, end)
+        elif isinstance(settings, Silence):
+            data[rule.alert] = _silence(store, now, settings.lookback, per_engine=rule.kind == "engine_silent")
+        else:  # pragma: no cover - the loader admits nothing else
+            raise AssertionError(f"rule {rule.alert}: nothing to collect for kind {rule.kind}")
+    return data
+
+
+def _key(**labels: object) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((name, str(value)) for name, value in labels.items()))
+
+
+def _token_sums(store: Store, start: float, end: float) -> dict[tuple[tuple[str, str], ...], Tokens]:
+    with store.cursor() as cur:
+        rows = cur.execute(
+            """
+            SELECT engine_id, model, sum(recoverable_tokens)::BIGINT, sum(prompt_tokens)::BIGINT
+            FROM requests WHERE ts >= $start AND ts < $end GROUP BY ALL
+            """,
+            {"start": to_timestamp(start), "end": to_timestamp(end)},
+        ).fetchall()
+    return {_key(engine=e, model=m): Tokens(int(r), int(p)) for e, m, r, p in rows}
+
+
+def _shares(store: Store, start: float, end: float, baseline_window: float) -> dict[tuple[tuple[str, str], ...], SeriesInput]:
+    with store.cursor() as cur:
+        rows = cur.execute(
+            """
+            WITH w AS (
+                SELECT engine_id, form, reason, outcome, ts >= $start AS current
+                FROM cache_lookups WHERE ts >= $base_start AND ts < $end
+            ),
+            forms AS (
+                SELECT engine_id, form,
+                       count(*) FILTER (WHERE current) AS n, count(*) FILTER (WHERE NOT current) AS base_n
+                FROM w GROUP BY ALL
+            ),
+            reasons AS (
+                SELECT engine_id, form, reason,
+                       count(*) FILTER (WHERE current) AS n, count(*) FILTER (WHERE NOT current) AS base_n
+                FROM w WHERE outcome = 'invalidated' GROUP BY ALL
+            )
+            SELECT r.engine_id, r.form, r.reason, r.n, f.n, r.base_n, f.base_n
+            FROM reasons r JOIN forms f USING (engine_id, form)
+            """,
+            {
+                "start": to_timestamp(start),
+                "base_start": to_timestamp(start - baseline_window),
+                "end": to_timestamp(end),
+            },
+        ).fetchall()
+    return {
+        _key(engine=e, form=f, reason=reason): ShareInput(int(n), int(fn), int(bn), int(bfn))
+        for e, f, reason, n, fn, bn, bfn in rows
+    }
+
+
+def _latency(store: Store, start: float, end: float) -> dict[tuple[tuple[str, str], ...], SeriesInput]:
+    buckets = ", ".join(f"sum({bucket_column(b)})::BIGINT" for b in RECOVERY_BUCKETS)
+    first_minute = to_timestamp(math.floor(start / 60) * 60)
+    with store.cursor() as cur:
+        rows = cur.execute(
+            f"""
+            SELECT engine_id, form, tier, {buckets},
+                   (sum(lookups) FILTER (WHERE outcome IN ('recovered', 'replayed')))::BIGINT
+            FROM cache_minute WHERE minute >= $start AND minute < $end
+            GROUP BY ALL HAVING sum(lookups) FILTER (WHERE outcome IN ('recovered', 'replayed')) > 0
+            """,
+            {"start": first_minute, "end": to_timestamp(end)},
+        ).fetchall()
+    return {
+        _key(engine=e, form=f, tier=t): LatencyInput(tuple(RECOVERY_BUCKETS), tuple(int(c) for c in counts))
+        for e, f, t, *counts in rows
+    }
+
+
+def _silence(store: Store, now: float, lookback: float, *, per_engine: bool) -> dict[tuple[tuple[str, str], ...], SeriesInput]:
+    since = to_timestamp(now - lookback)
+    with store.cursor() as cur:
+        if per_engine:
+            rows = cur.execute(
+                "SELECT engine_id, max(received_at) FROM ingest_batches "
+                "WHERE status = 'stored' AND received_at >= $since GROUP BY engine_id",
+                {"since": since},
+            ).fetchall()
+        else:
+            rows = cur.execute(
+                "SELECT NULL, max(received_at) FROM ingest_batches WHERE status = 'stored' AND received_at >= $since",
+                {"since": since},
+            ).fetchall()
+    out: dict[tuple[tuple[str, str], ...], SeriesInput] = {}
+    for engine, last in rows:
+        if last is None:
+            continue
+        assert isinstance(last, datetime)
+        key = _key(engine=engine) if per_engine else ()
+        out[key] = SilenceInput(max(now - _unix(last), 0.0))
+    return out
+
+
+def _unix(moment: datetime) -> float:
+    return (moment - datetime(1970, 1, 1)).total_seconds()
+
+
+def _expr(store: Store, rule: Rule, now: float, row_limit: int, timeout_seconds: float) -> dict[tuple[tuple[str, str], ...], SeriesInput]:
+    expr = rule.expr
+    try:
+        if isinstance(expr, NamedQueryExpr):
+            query = queries.get_query(expr.query)
+            result = sql.run_read_query(
+                store, query.sql, query.bind(expr.params, now=to_timestamp(now)), row_limit=row_limit, timeout_seconds=timeout_seconds
+            )
+        else:
+            assert expr is not None
+            result = sql.run_read_query(store, expr.sql, row_limit=row_limit, timeout_seconds=timeout_seconds)
+    except (sql.SqlError, queries.QueryError) as exc:
+        raise ExprError(f"rule {rule.alert}: its query failed: {exc.reason}") from None
+    if "value" not in result.columns:
+        raise ExprError(f"rule {rule.alert}: its query returns no value column (columns: {', '.join(result.columns)})")
+    table: pa.Table = result.table
+    labels = [c for c in result.columns if c != "value"]
+    out: dict[tuple[tuple[str, str], ...], SeriesInput] = {}
+    for row in table.to_pylist():
+        value = row["value"]
+        key = _key(**{c: row[c] for c in labels})
+        out[key] = None if value is None else float(value)
+    return out
