@@ -15,7 +15,7 @@ Windows end at ``now − lag`` (late events are allowed for by the ingest lag) a
   recoveries (lookups recovered or replayed);
 * ``engine_silent`` — per engine that stored a batch within ``lookback``: seconds since its last
   stored batch; ``ingest_stalled`` — one series (no labels): seconds since the last stored batch
-  of any engine, when one was stored within ``lookback``;
+  of any engine (none before any batch was ever stored);
 * ``expr`` rules — the named query or SQL, run read-only with the agent's row and time limits:
   the ``value`` column is the series' value, every other column a label.
 
@@ -191,11 +191,8 @@ def _silence(store: Store, now: float, lookback: float, *, per_engine: bool) -> 
                 "WHERE status = 'stored' AND received_at >= $since GROUP BY engine_id",
                 {"since": since},
             ).fetchall()
-        else:
-            rows = cur.execute(
-                "SELECT NULL, max(received_at) FROM ingest_batches WHERE status = 'stored' AND received_at >= $since",
-                {"since": since},
-            ).fetchall()
+        else:  # any stored batch ever: a stall older than the lookback still counts
+            rows = cur.execute("SELECT NULL, max(received_at) FROM ingest_batches WHERE status = 'stored'").fetchall()
     out: dict[tuple[tuple[str, str], ...], SeriesInput] = {}
     for engine, last in rows:
         if last is None:

@@ -17,24 +17,27 @@ Per series, each kind first gives a **verdict**: active, inactive, or no data, p
   short window burn at least its rate; the value is the short window's burn rate. No data when
   either window lacks volume.
 * ``form_invalidation_spike`` — value is the reason's share of the form's lookups in the window;
-  active when it exceeds the baseline share by ``min_share_increase``; no data below
-  ``min_lookups``.
+  active when it exceeds the baseline share by ``min_share_increase``; no data when the window
+  or the baseline has fewer than ``min_lookups`` lookups.
 * ``recovery_latency_high`` — value is the ``quantile`` of recovery seconds estimated from
   cumulative bucket counts as Prometheus's ``histogram_quantile`` does (linear within a bucket);
   active above ``threshold``; no data below ``min_recoveries``.
 * ``ingest_stalled`` / ``engine_silent`` — value is seconds since the last event; active when at
   least ``silent_for``. Never no data (silence is the signal).
-* ``expr`` rules — value is the query's ``value`` column for that label set; active when it is
-  present and non-zero (a Prometheus-style expression selects the series that alert); a series
-  the query no longer returns is inactive.
+* ``expr`` rules — as in Prometheus, every series the query returns (with a non-NULL ``value``)
+  is active, with that value; write the condition into the query (``WHERE ratio < 0.5``). A
+  series the query no longer returns is inactive (its last value is kept).
 
 Then Prometheus's alert state machine, per fingerprint (rule name + sorted labels):
 inactive → **pending** when active (straight to firing when ``for`` is 0) → **firing** once
 active for ``for`` → **resolved** once inactive for ``keep_firing_for``. A pending alert that
-turns inactive (or loses its data) goes back to inactive silently. **No data never resolves a
-firing alert** (an engine that stopped serving has not recovered) and never advances a pending
-one. Exactly one notification per firing and per resolve; re-sending while firing is the
-receivers' job.
+turns inactive, loses its data or disappears goes back to inactive silently; one not evaluated
+for over an hour (an agent outage) starts its ``for`` over. **No data never resolves a firing
+alert** (an engine that stopped serving has not recovered). Hysteresis (the drop kind's clear
+thresholds) applies only once an alert fires. Exactly one notification per firing and per
+resolve; re-sending while firing is the receivers' job. Labels are the series' labels overridden
+by the rule's. Inactive alerts are not kept; resolved ones for 15 minutes; the firing alerts of
+a rule removed from the file are resolved.
 
 Peers: Prometheus's rule manager (pending/``for``/``keep_firing_for``, ``histogram_quantile``);
 the SRE workbook's multiwindow burn-rate alerts.
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -135,14 +139,24 @@ class AlertState:
     alert: str
     fingerprint: str
     labels: Mapping[str, str]
+    series: Labels
+    """The series key in the rule's data (the labels before the rule's own were added)."""
     status: Status
     active_since: float | None = None
     firing_since: float | None = None
     inactive_since: float | None = None
+    resolved_at: float | None = None
+    evaluated_at: float | None = None
     value: float | None = None
 
 
 State = Mapping[str, AlertState]
+
+RESOLVED_RETENTION_SECONDS = 900.0
+"""A resolved alert's state is kept this long (Prometheus keeps resolved alerts 15 minutes)."""
+OUTAGE_TOLERANCE_SECONDS = 3600.0
+"""A pending alert not evaluated for longer than this (an agent outage) starts its ``for`` over,
+as Prometheus's ``rules.alert.for-outage-tolerance``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,7 +188,7 @@ def verdict(rule: Rule, series: SeriesInput, was_active: bool) -> Verdict:
     if rule.expr is not None:
         if not isinstance(series, int | float):
             raise TypeError(f"{rule.alert}: an expr rule needs a number, got {series!r}")
-        return Verdict(series != 0, float(series))
+        return Verdict(True, float(series))
     if isinstance(settings, HitRateDrop) and isinstance(series, DropInput):
         return _drop(settings, series, was_active)
     if isinstance(settings, InvalidationSpike) and isinstance(series, ShareInput):
@@ -216,7 +230,7 @@ def burn_verdicts(s: HitRateBelow, x: BurnInput | None) -> list[tuple[dict[str, 
             out.append((labels, Verdict(None, None)))
             continue
         long_rate, short_rate = long.error_ratio() / budget, short.error_ratio() / budget
-        out.append((labels, Verdict(long_rate >= window.burn_rate and short_rate >= window.burn_rate, short_rate)))
+        out.append((labels, Verdict(long_rate > window.burn_rate and short_rate > window.burn_rate, short_rate)))
     return out
 
 
@@ -228,10 +242,10 @@ def _short_duration(seconds: float) -> str:
 
 
 def _spike(s: InvalidationSpike, x: ShareInput) -> Verdict:
-    if x.form_lookups < s.min_lookups:
-        return Verdict(None, None)
+    if x.form_lookups < s.min_lookups or x.baseline_form_lookups < s.min_lookups:
+        return Verdict(None, None)  # no baseline is not a 0 % baseline
     share = x.reason_lookups / x.form_lookups
-    baseline = x.baseline_reason_lookups / x.baseline_form_lookups if x.baseline_form_lookups else 0.0
+    baseline = x.baseline_reason_lookups / x.baseline_form_lookups
     return Verdict(share - baseline >= s.min_share_increase, share)
 
 
@@ -239,6 +253,7 @@ def histogram_quantile(q: float, bounds: Sequence[float], cumulative: Sequence[i
     """Prometheus's ``histogram_quantile``: the q-quantile from cumulative bucket counts (the
     last count is the total), linear within the bucket it falls in; a quantile in the +Inf
     bucket is the highest finite bound."""
+    cumulative = [int(c) for c in itertools.accumulate(cumulative, max)]  # as Prometheus: non-decreasing
     total = cumulative[-1]
     rank = q * total
     lower_bound, lower_count = 0.0, 0
@@ -264,79 +279,101 @@ def evaluate(
     rules: Sequence[Rule], data: Data, now: float, previous_state: State
 ) -> tuple[dict[str, AlertState], list[Notification]]:
     """Evaluate every rule's series at ``now`` (unix seconds). Returns the new state
-    (``previous_state`` is not modified) and the notifications (firing, resolved) in rule order,
-    then label order. A series of a rule that is absent from ``data`` this time is treated as no
-    data (kinds) or inactive (expr rules)."""
+    (``previous_state`` is not modified) and the notifications (firing, resolved): first the
+    resolves of alerts whose rule is gone, then by rule, then by series labels.
+
+    Every series in ``data`` and every series the state knows for the rule is stepped: a known
+    series missing from ``data`` is no data (built-in kinds) or inactive (expr rules). Labels are
+    the series' labels overridden by the rule's (as Prometheus's), plus ``window``/``severity``
+    per burn window. Inactive alerts are dropped from the state, resolved ones after
+    :data:`RESOLVED_RETENTION_SECONDS`.
+    """
     state = dict(previous_state)
     notifications: list[Notification] = []
+    names = {rule.alert for rule in rules}
+    for fp, gone in sorted(state.items()):
+        if gone.alert in names:
+            continue
+        del state[fp]
+        if gone.status == Status.FIRING:
+            notifications.append(_note(gone.alert, fp, Status.RESOLVED, gone.labels, gone.value, now, {}))
     for rule in rules:
-        series_inputs = data.get(rule.alert, {})
-        keys = set(series_inputs)
-        if rule.expr is not None:  # an expr series that is no longer returned is inactive
-            keys |= {_labels_key(st.labels, rule) for st in state.values() if st.alert == rule.alert}
-        for key in sorted(keys):
-            raw = series_inputs.get(key, 0.0 if rule.expr is not None else None)
-            for extra, v in _verdicts(rule, raw, key, state):
-                labels = {**rule.labels, **dict(key), **extra}
+        inputs = data.get(rule.alert, {})
+        known = {st.series for st in state.values() if st.alert == rule.alert}
+        for key in sorted(set(inputs) | known):
+            for extra, v in _verdicts(rule, key, inputs, state):
+                labels = {**dict(key), **rule.labels, **extra}
                 fp = fingerprint(rule.alert, labels)
-                after, change = _step(rule, state.get(fp), fp, labels, v, now)
-                if after is not None:
+                after, change = _step(rule, state.get(fp), fp, key, labels, v, now)
+                if after is None:
+                    state.pop(fp, None)
+                else:
                     state[fp] = after
                 if change is not None:
-                    notifications.append(
-                        Notification(
-                            alert=rule.alert,
-                            fingerprint=fp,
-                            status=change,
-                            labels=labels,
-                            value=v.value,
-                            at=now,
-                            annotations={k: render_template(t, labels, v.value) for k, t in rule.annotations.items()},
-                        )
-                    )
+                    value = v.value if v.value is not None else (after.value if after is not None else None)
+                    annotations = {k: render_template(t, labels, value) for k, t in rule.annotations.items()}
+                    notifications.append(_note(rule.alert, fp, change, labels, value, now, annotations))
     return state, notifications
 
 
+def _note(
+    alert: str, fp: str, status: Status, labels: Mapping[str, str], value: float | None, at: float, annotations: Mapping[str, str]
+) -> Notification:
+    return Notification(alert=alert, fingerprint=fp, status=status, labels=labels, value=value, at=at, annotations=annotations)
+
+
 def _verdicts(
-    rule: Rule, raw: SeriesInput, key: Labels, state: Mapping[str, AlertState]
+    rule: Rule, key: Labels, inputs: Mapping[Labels, SeriesInput], state: Mapping[str, AlertState]
 ) -> list[tuple[dict[str, str], Verdict]]:
+    present = key in inputs
+    raw = inputs.get(key)
     if isinstance(rule.settings, HitRateBelow):
         if raw is not None and not isinstance(raw, BurnInput):
             raise TypeError(f"{rule.alert}: input {type(raw).__name__} does not fit kind {rule.kind}")
         return burn_verdicts(rule.settings, raw)
-    before = state.get(fingerprint(rule.alert, {**rule.labels, **dict(key)}))
-    was_active = before is not None and before.status in (Status.PENDING, Status.FIRING)
-    return [({}, verdict(rule, raw, was_active))]
+    before = state.get(fingerprint(rule.alert, {**dict(key), **rule.labels}))
+    if rule.expr is not None and (not present or raw is None):
+        return [({}, Verdict(False, before.value if before is not None else None))]
+    firing = before is not None and before.status == Status.FIRING  # hysteresis only once firing
+    return [({}, verdict(rule, raw, firing))]
 
-
-def _labels_key(labels: Mapping[str, str], rule: Rule) -> Labels:
-    """The series labels of a stored alert: its labels minus the rule's own."""
-    return tuple(sorted((k, v) for k, v in labels.items() if k not in rule.labels))
 
 
 def _step(
-    rule: Rule, before: AlertState | None, fp: str, labels: Mapping[str, str], v: Verdict, now: float
+    rule: Rule,
+    before: AlertState | None,
+    fp: str,
+    key: Labels,
+    labels: Mapping[str, str],
+    v: Verdict,
+    now: float,
 ) -> tuple[AlertState | None, Status | None]:
-    """One state-machine step: the new state (None: unchanged) and the notification status."""
+    """One state-machine step: the new state (None: drop it) and the notification status."""
     status = before.status if before is not None else Status.INACTIVE
     if v.active is None:  # no data: firing stays firing, pending falls back silently
-        if before is not None and status == Status.PENDING:
-            return replace(before, status=Status.INACTIVE, active_since=None), None
-        return None, None
-    fresh = AlertState(alert=rule.alert, fingerprint=fp, labels=labels, status=Status.INACTIVE, value=v.value)
-    current = before if before is not None else fresh
+        if before is None or status == Status.PENDING:
+            return None, None
+        if status == Status.RESOLVED and before.resolved_at is not None and now - before.resolved_at >= RESOLVED_RETENTION_SECONDS:
+            return None, None
+        return before, None
+    current = before or AlertState(alert=rule.alert, fingerprint=fp, labels=labels, series=key, status=Status.INACTIVE)
+    current = replace(current, evaluated_at=now, value=v.value if v.value is not None else current.value)
     if v.active:
         if status == Status.FIRING:
-            return replace(current, inactive_since=None, value=v.value), None
-        since = current.active_since if status == Status.PENDING and current.active_since is not None else now
+            return replace(current, inactive_since=None), None
+        pending = status == Status.PENDING and before is not None and before.active_since is not None
+        outage = pending and before is not None and before.evaluated_at is not None and now - before.evaluated_at > OUTAGE_TOLERANCE_SECONDS
+        since = before.active_since if pending and not outage and before is not None and before.active_since is not None else now
         if now - since >= rule.for_seconds:
-            return replace(current, status=Status.FIRING, active_since=since, firing_since=now, inactive_since=None, value=v.value), Status.FIRING
-        return replace(current, status=Status.PENDING, active_since=since, value=v.value), None
+            fired = replace(current, status=Status.FIRING, active_since=since, firing_since=now, inactive_since=None, resolved_at=None)
+            return fired, Status.FIRING
+        return replace(current, status=Status.PENDING, active_since=since, resolved_at=None), None
     if status == Status.FIRING:
         inactive_since = current.inactive_since if current.inactive_since is not None else now
         if now - inactive_since >= rule.keep_firing_for_seconds:
-            return replace(current, status=Status.RESOLVED, active_since=None, inactive_since=None, value=v.value), Status.RESOLVED
-        return replace(current, inactive_since=inactive_since, value=v.value), None
-    if status == Status.PENDING:
-        return replace(current, status=Status.INACTIVE, active_since=None, value=v.value), None
-    return (replace(current, value=v.value) if before is not None else None), None
+            resolved = replace(current, status=Status.RESOLVED, active_since=None, inactive_since=None, resolved_at=now)
+            return resolved, Status.RESOLVED
+        return replace(current, inactive_since=inactive_since), None
+    if status == Status.RESOLVED and before is not None and before.resolved_at is not None and now - before.resolved_at < RESOLVED_RETENTION_SECONDS:
+        return current, None
+    return None, None  # inactive (or a pending that turned inactive, or an old resolve): dropped

@@ -50,6 +50,7 @@ from typing import Any, Literal
 import yaml
 
 from agent import queries, sql
+from agent.ingest import RECOVERY_BUCKETS
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.yaml")
 """The rule file that ships with kvscope."""
@@ -57,7 +58,11 @@ DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.yaml")
 SEVERITIES = ("page", "ticket", "info")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 ALERT_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-_DURATION = re.compile(r"(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?")
+_DURATION = re.compile(
+    r"(?:([0-9]+)y)?(?:([0-9]+)w)?(?:([0-9]+)d)?(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?(?:([0-9]+)ms)?"
+)
+MAX_DURATION_SECONDS = 100 * 365 * 86400
+"""Longest accepted duration (Prometheus's limit is about 292 years)."""
 _DURATION_UNITS = (365 * 86400, 7 * 86400, 86400, 3600, 60, 1, 0.001)
 
 
@@ -69,8 +74,10 @@ def parse_duration(text: object) -> float:
     """A Prometheus duration (``1h30m``, ``90s``, ``500ms``; ``0``) in seconds.
 
     Raises:
-        ValueError: not a duration string.
+        ValueError: not a duration, or longer than :data:`MAX_DURATION_SECONDS`.
     """
+    if text == 0 and not isinstance(text, bool):
+        return 0.0
     if not isinstance(text, str):
         raise ValueError(f"expected a duration such as 5m, got {type(text).__name__} {text!r}")
     if text == "0":
@@ -78,17 +85,89 @@ def parse_duration(text: object) -> float:
     match = _DURATION.fullmatch(text)
     if not text or match is None or not any(match.groups()):
         raise ValueError(f"{text!r} is not a duration (use units ms, s, m, h, d, w, y, e.g. 1h30m)")
-    return float(sum(int(g) * unit for g, unit in zip(match.groups(), _DURATION_UNITS, strict=True) if g))
+    seconds = sum(int(g) * unit for g, unit in zip(match.groups(), _DURATION_UNITS, strict=True) if g)
+    if seconds > MAX_DURATION_SECONDS:
+        raise ValueError(f"{text!r} is longer than 100 years")
+    return float(seconds)
 
 
 # -- templates ---------------------------------------------------------------------------------
 _TEMPLATE_PART = re.compile(r"\{\{(.*?)\}\}", re.S)
 _EXPRESSION = re.compile(r"\s*\$(value|labels\.([a-zA-Z_][a-zA-Z0-9_]*))\s*(?:\|\s*([a-zA-Z]+)\s*)?")
+def format_value(value: float) -> str:
+    """``$value`` as Prometheus prints a float (Go's shortest ``%g``): the fewest digits that
+    read back exactly, in exponent form when the exponent is below −4 or at least 6
+    (123456789 → ``1.23456789e+08``, 0.5 → ``0.5``)."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == 0:
+        return "0"
+    for digits in range(1, 18):
+        scientific = f"{value:.{digits - 1}e}"
+        if float(scientific) == value:
+            break
+    mantissa, _, exponent_text = scientific.partition("e")
+    exponent = int(exponent_text)
+    if exponent < -4 or exponent >= 6:
+        if "." in mantissa:
+            mantissa = mantissa.rstrip("0").rstrip(".")
+        return f"{mantissa}e{'-' if exponent < 0 else '+'}{abs(exponent):02d}"
+    return f"{value:.{max(digits - 1 - exponent, 0)}f}"
+
+
+def humanize(value: float) -> str:
+    """Prometheus's ``humanize``: SI prefixes, four significant digits (12345 → 12.35k)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:.4g}"
+    prefix = ""
+    if abs(value) >= 1:
+        for symbol in ("k", "M", "G", "T", "P", "E", "Z", "Y"):
+            if abs(value) < 1000:
+                break
+            prefix, value = symbol, value / 1000
+    else:
+        for symbol in ("m", "u", "n", "p", "f", "a", "z", "y"):
+            if abs(value) >= 1:
+                break
+            prefix, value = symbol, value * 1000
+    return f"{value:.4g}{prefix}"
+
+
+def humanize_duration(value: float) -> str:
+    """Prometheus's ``humanizeDuration``: 5400 → ``1h 30m 0s``, 0.875 → ``875ms``."""
+    if not math.isfinite(value):
+        return f"{value:.4g}"
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    if value == 0:
+        return "0s"
+    if value >= 1:
+        seconds = int(value)
+        days, hours = seconds // 86400, seconds // 3600 % 24
+        minutes, rest = seconds // 60 % 60, seconds % 60
+        if days:
+            return f"{sign}{days}d {hours}h {minutes}m {rest}s"
+        if hours:
+            return f"{sign}{hours}h {minutes}m {rest}s"
+        if minutes:
+            return f"{sign}{minutes}m {rest}s"
+        return f"{sign}{value:.4g}s"
+    prefix = ""
+    for symbol in ("m", "u", "n", "p", "f", "a", "z", "y"):
+        if value >= 1:
+            break
+        prefix, value = symbol, value * 1000
+    return f"{sign}{value:.4g}{prefix}s"
+
+
 PIPES: dict[str, Callable[[float], str]] = {
-    "humanize": lambda v: f"{v:.4g}",
+    "humanize": humanize,
     "humanizePercentage": lambda v: f"{v * 100:.4g}%",
-    "humanizeDuration": lambda v: f"{v:.4g}s",
+    "humanizeDuration": humanize_duration,
 }
+"""Template pipes, as Prometheus's template functions of the same names format values."""
 
 
 def check_template(text: str) -> None:
@@ -121,7 +200,7 @@ def render_template(text: str, labels: Mapping[str, str], value: float | None) -
         if value is None:
             return "no data"
         pipe = expression.group(3)
-        return PIPES[pipe](value) if pipe else f"{value:g}"
+        return PIPES[pipe](value) if pipe else format_value(value)
 
     return _TEMPLATE_PART.sub(fill, text)
 
@@ -180,8 +259,8 @@ class BurnWindow:
     def __post_init__(self) -> None:
         if not 0 < self.short < self.long:
             raise ValueError(f"need 0 < short < long, got short {self.short} s, long {self.long} s")
-        if not self.burn_rate > 0:
-            raise ValueError(f"burn_rate must be > 0, got {self.burn_rate}")
+        if not (self.burn_rate > 0 and math.isfinite(self.burn_rate)):
+            raise ValueError(f"burn_rate must be a finite number > 0, got {self.burn_rate}")
         if self.severity not in SEVERITIES:
             raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, got {self.severity!r}")
 
@@ -201,7 +280,7 @@ class HitRateBelow:
     is that over (1 − objective). Each of ``windows`` fires (with its severity) when both its
     long and short window burn at least its rate (Google SRE workbook, "Alerting on SLOs")."""
 
-    objective: float = 0.5
+    objective: float = 0.95
     windows: tuple[BurnWindow, ...] = DEFAULT_BURN_WINDOWS
     min_prompt_tokens: int = 1000
 
@@ -210,6 +289,15 @@ class HitRateBelow:
             raise ValueError(f"objective must be a ratio in (0, 1), got {self.objective}")
         if not self.windows:
             raise ValueError("windows must not be empty")
+        for window in self.windows:
+            if window.burn_rate * (1.0 - self.objective) > 1.0:
+                raise ValueError(
+                    f"burn rate {window.burn_rate:g} can never be reached with objective {self.objective:g} "
+                    f"(the highest possible burn rate is {1 / (1 - self.objective):.4g}); raise the objective"
+                )
+        identities = [(w.long, w.short, w.severity) for w in self.windows]
+        if len(set(identities)) != len(identities):
+            raise ValueError("burn windows must differ in long, short or severity")
         if self.min_prompt_tokens < 1:
             raise ValueError(f"min_prompt_tokens must be >= 1, got {self.min_prompt_tokens}")
 
@@ -248,6 +336,11 @@ class RecoveryLatencyHigh:
         _ratio("quantile", self.quantile, open_low=True)
         if self.threshold <= 0 or self.window <= 0:
             raise ValueError("threshold and window must be positive")
+        if self.threshold >= RECOVERY_BUCKETS[-1]:
+            raise ValueError(
+                f"threshold must be below the highest recovery-latency bucket ({RECOVERY_BUCKETS[-1]:g} s): "
+                "a quantile above it cannot be estimated"
+            )
         if self.min_recoveries < 1:
             raise ValueError(f"min_recoveries must be >= 1, got {self.min_recoveries}")
 
@@ -387,6 +480,10 @@ def parse_rule_file(raw: object, *, source: str = "<rules>") -> RuleFile:
         if duplicate is not None:
             raise RuleFileError(f"{where}: rule {duplicate!r}: alert names must be unique in a group")
         groups.append(RuleGroup(name=name, interval_seconds=interval, rules=tuple(rules)))
+    everywhere = [rule.alert for group in groups for rule in group.rules]
+    duplicate = next((n for n in everywhere if everywhere.count(n) > 1), None)
+    if duplicate is not None:
+        raise RuleFileError(f"{source}: rule {duplicate!r}: alert names must be unique in the file (they name the alert's state)")
     return RuleFile(source=source, groups=tuple(groups))
 
 
@@ -403,13 +500,13 @@ def _parse_rule(raw: object, group_where: str, index: int) -> Rule:
     kind = raw.get("kind")
     settings_keys: set[str] = set()
     if kind is not None:
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise RuleFileError(f"{where}: field kind: unknown kind {kind!r}; known: {', '.join(KINDS)}")
         settings_keys = {f.name for f in dataclasses.fields(KINDS[kind])}
     unknown = set(raw) - _RULE_KEYS - settings_keys
     if unknown:
         known = sorted(_RULE_KEYS | settings_keys)
-        raise RuleFileError(f"{where}: unknown field {sorted(unknown)[0]!r}; known: {', '.join(known)}")
+        raise RuleFileError(f"{where}: unknown field {sorted(map(str, unknown))[0]!r}; known: {', '.join(known)}")
     if (kind is None) == ("expr" not in raw):
         raise RuleFileError(f"{where}: give exactly one of kind (a built-in rule) and expr (a query)")
     settings = None if kind is None else _settings(where, KINDS[kind], {k: raw[k] for k in settings_keys if k in raw})

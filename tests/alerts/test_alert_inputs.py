@@ -88,7 +88,7 @@ def test_drop_windows_trailing_and_yesterday(store: Store) -> None:
 
 def test_burn_windows(store: Store) -> None:
     store_events(store, [request(END - 60, 1000, 100), request(END - 1000, 1000, 1000), request(END - 7200, 1000, 500)])
-    data = collect_inputs(store, [rule(kind="recoverable_hit_rate_below", objective=0.9)], now=NOW)
+    data = collect_inputs(store, [rule(kind="recoverable_hit_rate_below", objective=0.95)], now=NOW)
     assert data == {"A": {E1M1: BurnInput((
         (Tokens(1100, 2000), Tokens(100, 1000)),  # 1h / 5m
         (Tokens(1600, 3000), Tokens(1100, 2000)),  # 6h / 30m
@@ -127,7 +127,9 @@ def test_silence_per_engine_and_overall(store: Store) -> None:
     assert silent == {"A": {(("engine", "e1"),): SilenceInput(400.0), (("engine", "e2"),): SilenceInput(30.0)}}
     stalled = collect_inputs(store, [rule(kind="ingest_stalled")], now=NOW)
     assert stalled == {"A": {(): SilenceInput(30.0)}}
-    assert collect_inputs(store, [rule(kind="ingest_stalled")], now=NOW + 7200) == {"A": {}}
+    # a stall older than the lookback still counts (it is the signal); engines past it drop out
+    assert collect_inputs(store, [rule(kind="ingest_stalled")], now=NOW + 7200) == {"A": {(): SilenceInput(7230.0)}}
+    assert collect_inputs(store, [rule(kind="engine_silent")], now=NOW + 7200) == {"A": {}}
 
 
 def test_expr_rules(store: Store) -> None:

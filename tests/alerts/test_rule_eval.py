@@ -97,25 +97,28 @@ def test_a_restart_while_pending_keeps_the_pending_time() -> None:
 
 
 def test_burn_rate_windows_are_separate_alerts_with_their_severity() -> None:
-    r = rule(kind="recoverable_hit_rate_below", objective=0.9, min_prompt_tokens=100)
-    healthy = Tokens(950, 1000)  # error 5 % = 0.5x budget
-    burning = Tokens(0, 1000)  # error 100 % = 10x budget (< 14.4)
-    on_fire = Tokens(0, 1000)
-    fast = BurnInput(((on_fire, on_fire), (burning, burning), (healthy, healthy)))
+    r = rule(kind="recoverable_hit_rate_below", objective=0.95, min_prompt_tokens=100)
+    healthy = Tokens(980, 1000)  # error 2 % = 0.4x the budget of 5 %
+    burning = Tokens(500, 1000)  # error 50 % = 10x: above 6, below 14.4
+    fast = BurnInput(((burning, burning), (burning, burning), (healthy, healthy)))
     state, notes = evaluate([r], {"A": {ENGINE: fast}}, 0.0, {})
-    # 10x burns the 6h/30m window (rate 6) but not the 1h/5m one (rate 14.4)
     assert [(n.labels["window"], n.labels["severity"], n.value) for n in notes] == [("6h/30m", "page", pytest.approx(10.0))]
     calm = BurnInput(((healthy, healthy),) * 3)
     state, notes = evaluate([r], {"A": {ENGINE: calm}}, 60.0, state)
     assert [(n.labels["window"], n.status) for n in notes] == [("6h/30m", Status.RESOLVED)]
     state, notes = evaluate([r], {"A": {ENGINE: None}}, 120.0, state)
     assert notes == []
+    on_fire = BurnInput(((Tokens(0, 1000),) * 2,) * 3)  # 20x burns every window
+    state, notes = evaluate([r], {"A": {ENGINE: on_fire}}, 180.0, state)
+    assert sorted(n.labels["window"] for n in notes) == ["1h/5m", "3d/6h", "6h/30m"]
 
 
 def test_invalidation_spike_and_recovery_latency_and_silence() -> None:
     spike = rule(kind="form_invalidation_spike", min_lookups=10)
     key = (("engine", "e1"), ("form", "swa_window"), ("reason", "swa_evicted"))
     assert run(spike, [ShareInput(1, 100, 5, 500), ShareInput(40, 100, 5, 500), ShareInput(3, 5, 5, 500)], key=key) == [(1.0, "firing")]
+    # a baseline without volume is no data, not a 0 % baseline: a steady share never fires
+    assert run(spike, [ShareInput(30, 100, 0, 0), ShareInput(30, 100, 1, 1)], key=key) == []
     bounds = (0.1, 0.25, 0.5, 1.0)
     slow = LatencyInput(bounds, (10, 40, 60, 100, 100))  # p95 in the (0.5, 1] bucket: 0.875 s
     fast = LatencyInput(bounds, (95, 100, 100, 100, 100))
@@ -144,3 +147,55 @@ def test_wrong_input_for_the_kind_is_an_error() -> None:
     with pytest.raises(TypeError, match="does not fit kind"):
         evaluate([rule(**DROP)], {"A": {ENGINE: SilenceInput(1.0)}}, 0.0, {})
     assert Notification  # the public notification type is exported
+
+
+# -- regressions from the review -----------------------------------------------------------------
+def test_rule_labels_win_over_series_labels_and_do_not_flap() -> None:
+    r = rule(expr="SELECT 'db' AS team, 'info' AS severity, 1.0 AS value", labels={"severity": "page", "team": "db"})
+    series = (("severity", "info"), ("team", "db"))
+    state: dict = {}
+    seen = []
+    for minute in range(4):
+        state, notes = evaluate([r], {"A": {series: 1.0}}, minute * MIN, state)
+        seen += [(n.status, dict(n.labels)) for n in notes]
+    assert seen == [(Status.FIRING, {"severity": "page", "team": "db"})]
+    state, notes = evaluate([r], {"A": {}}, 5 * MIN, state)
+    assert [(n.status, n.value) for n in notes] == [(Status.RESOLVED, 1.0)]  # the last value kept
+
+
+def test_a_pending_series_that_disappears_starts_over() -> None:
+    r = rule(**{**DROP, "for": "10m"})
+    state, _ = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 0.0, {})
+    state, _ = evaluate([r], {"A": {}}, 60.0, state)  # the series is gone: pending dropped
+    assert state == {}
+    state, notes = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 3600.0, state)
+    assert notes == [] and next(iter(state.values())).active_since == 3600.0
+
+
+def test_a_pending_alert_after_a_long_outage_starts_its_for_over() -> None:
+    r = rule(**{**DROP, "for": "5m"})
+    state, _ = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 0.0, {})
+    state, notes = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 3 * 3600.0, state)
+    assert notes == [] and next(iter(state.values())).status == Status.PENDING
+    state, notes = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 3 * 3600.0 + 300, state)
+    assert [n.status for n in notes] == [Status.FIRING]
+
+
+def test_hysteresis_applies_only_once_firing() -> None:
+    # one sample past the fire threshold, then values inside the band: pending falls back
+    series = [drop(0.8), drop(0.5)] + [drop(0.65)] * 6
+    assert run(rule(**{**DROP, "for": "5m"}), series) == []
+
+
+def test_state_is_pruned_and_removed_rules_resolve() -> None:
+    r = rule(**{**DROP, "for": "0", "keep_firing_for": "0"})
+    state, _ = evaluate([r], {"A": {ENGINE: drop(0.8)}}, 0.0, {})
+    assert state == {}  # inactive series are not kept
+    state, _ = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 60.0, state)
+    state, notes = evaluate([r], {"A": {ENGINE: drop(0.79)}}, 120.0, state)
+    assert [n.status for n in notes] == [Status.RESOLVED] and len(state) == 1
+    state, _ = evaluate([r], {"A": {ENGINE: drop(0.79)}}, 120.0 + 900, state)
+    assert state == {}  # a resolved alert is kept 15 minutes
+    state, _ = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 2000.0, state)
+    state, notes = evaluate([], {}, 2060.0, state)  # the rule was removed from the file
+    assert [n.status for n in notes] == [Status.RESOLVED] and state == {}

@@ -28,7 +28,7 @@ from kvscope.cli import main
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("0", 0.0), ("90s", 90.0), ("5m", 300.0), ("1h30m", 5400.0), ("500ms", 0.5), ("1d", 86400.0), ("2w", 1209600.0), ("1y", 31536000.0)],
+    [("0", 0.0), (0, 0.0), ("0s", 0.0), ("1h0m", 3600.0), ("90s", 90.0), ("5m", 300.0), ("1h30m", 5400.0), ("500ms", 0.5), ("1d", 86400.0), ("2w", 1209600.0), ("1y", 31536000.0)],
 )
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
@@ -67,10 +67,10 @@ def test_expr_rules_named_query_and_sql() -> None:
 
 def test_burn_windows_and_settings_from_yaml() -> None:
     windows = [{"long": "1h", "short": "5m", "burn_rate": 14.4, "severity": "page"}]
-    rules = parse_rule_file(rule_file(kind="recoverable_hit_rate_below", objective=0.9, windows=windows))
+    rules = parse_rule_file(rule_file(kind="recoverable_hit_rate_below", objective=0.95, windows=windows))
     settings = rules.rules[0].settings
     assert isinstance(settings, HitRateBelow)
-    assert (settings.objective, settings.windows[0].long, settings.windows[0].short) == (0.9, 3600.0, 300.0)
+    assert (settings.objective, settings.windows[0].long, settings.windows[0].short) == (0.95, 3600.0, 300.0)
 
 
 @pytest.mark.parametrize(
@@ -86,6 +86,14 @@ def test_burn_windows_and_settings_from_yaml() -> None:
         ({"kind": "recoverable_hit_rate_drop", "baseline": "lastweek"}, "baseline must be trailing or yesterday"),
         ({"kind": "recoverable_hit_rate_drop", "min_prompt_tokens": 1.5}, "field min_prompt_tokens: expected int"),
         ({"kind": "recoverable_hit_rate_below", "objective": 1.0}, "objective must be a ratio in (0, 1)"),
+        ({"kind": "recoverable_hit_rate_below", "objective": 0.5}, "burn rate 14.4 can never be reached with objective 0.5"),
+        ({"kind": "recoverable_hit_rate_below", "windows": [{"long": "1h", "short": "5m", "burn_rate": 2, "severity": "page"}] * 2}, "burn windows must differ"),
+        ({"kind": "recoverable_hit_rate_below", "windows": [{"long": "1h", "short": "5m", "burn_rate": float("inf"), "severity": "page"}]}, "burn_rate must be a finite number"),
+        ({"kind": "recovery_latency_high", "threshold": "30s"}, "threshold must be below the highest recovery-latency bucket"),
+        ({"kind": ["engine_silent"]}, "field kind: unknown kind"),
+        ({"kind": "engine_silent", 5: "x", "zz": 1}, "unknown field '5'"),
+        ({"kind": "engine_silent", "silent_for": "1" + "0" * 400 + "y"}, "longer than 100 years"),
+        ({"kind": "engine_silent", "silent_for": "\uff15m"}, "is not a duration"),
         ({"kind": "recoverable_hit_rate_below", "windows": [{"long": "5m", "short": "1h", "burn_rate": 2, "severity": "page"}]}, "need 0 < short < long"),
         ({"kind": "engine_silent", "silent_for": "2h"}, "need 0 < silent_for < lookback"),
         ({"expr": "COPY requests TO '/tmp/x.csv'"}, "field expr: only read statements"),
@@ -101,9 +109,11 @@ def test_burn_windows_and_settings_from_yaml() -> None:
         ({"alert": "has space", "kind": "engine_silent"}, "rule 0: field alert: must be a name"),
     ],
 )
-def test_bad_rules_name_file_group_rule_and_field(tmp_path: Path, rule: dict[str, object], message: str) -> None:
+def test_bad_rules_name_file_group_rule_and_field(tmp_path: Path, rule: dict[object, object], message: str) -> None:
+    document = rule_file()
+    document["groups"][0]["rules"][0].update(rule)  # type: ignore[index]
     path = tmp_path / "rules.yaml"
-    path.write_text(yaml.safe_dump(rule_file(**rule)))
+    path.write_text(yaml.safe_dump(document))
     with pytest.raises(RuleFileError) as info:
         load_rule_file(path)
     assert str(info.value).startswith(f"{path}: group 'g': ")
@@ -119,6 +129,7 @@ def test_bad_rules_name_file_group_rule_and_field(tmp_path: Path, rule: dict[str
         ({"groups": [{"name": "g", "interval": "soon", "rules": [{}]}]}, "group 'g': field interval: 'soon' is not a duration"),
         ({"groups": [{"name": "g", "rules": [{"alert": "A", "kind": "engine_silent", "labels": {"severity": "page"}}] * 2}]}, "alert names must be unique"),
         ({"groups": [{"name": "g", "rules": [{"alert": "A", "kind": "engine_silent", "labels": {"severity": "page"}}]}] * 2}, "group names must be unique"),
+        ({"groups": [{"name": n, "rules": [{"alert": "A", "kind": "engine_silent", "labels": {"severity": "page"}}]} for n in ("g", "h")]}, "rule 'A': alert names must be unique in the file"),
     ],
 )
 def test_bad_files(document: dict[str, object], message: str) -> None:
@@ -140,6 +151,14 @@ def test_templates_render_labels_and_value() -> None:
     text = "{{ $labels.engine }} at {{ $value | humanizePercentage }} ({{$value}}, {{ $labels.absent }})"
     check_template(text)
     assert render_template(text, {"engine": "e1"}, 0.4235) == "e1 at 42.35% (0.4235, )"
+    # as Prometheus's template functions print them
+    assert render_template("{{ $value | humanize }}", {}, 12345) == "12.35k"
+    assert render_template("{{ $value | humanize }}", {}, 0.00042) == "420u"
+    assert render_template("{{ $value | humanizeDuration }}", {}, 0.875) == "875ms"
+    assert render_template("{{ $value | humanizeDuration }}", {}, 5400) == "1h 30m 0s"
+    assert render_template("{{ $value | humanizeDuration }}", {}, 90061) == "1d 1h 1m 1s"
+    assert render_template("{{ $value }}", {}, 123456789) == "1.23456789e+08"
+    assert [render_template("{{ $value }}", {}, v) for v in (0.5, 123456.0, 1e-05, 0.0001, 2.0)] == ["0.5", "123456", "1e-05", "0.0001", "2"]
     assert render_template("{{ $value }}", {}, None) == "no data"
     with pytest.raises(ValueError, match="unbalanced"):
         check_template("{{ $value }")
