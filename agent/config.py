@@ -80,6 +80,8 @@ class AgentConfig:
             boundary and ends its window that long before now, so late events are counted.
         alert_interval_seconds: evaluate every N seconds instead of on minute boundaries
             (tests and demos); ``None`` keeps the minute schedule.
+        alert_rules_file: a rule file (:mod:`alerts.rulefile`) evaluated by the rule scheduler
+            beside the built-in rule; ``None``: none.
         decode_processes: worker processes that decode and prepare event batches (0: two
             threads in the agent's process instead; see :mod:`agent.decode`).
         ingest_queue_max_events: events the ingest queue holds (decoded, waiting for a flush).
@@ -121,6 +123,7 @@ class AgentConfig:
     alert_min_prompt_tokens: int = 1000
     alert_ingest_lag_seconds: int = 5
     alert_interval_seconds: float | None = None
+    alert_rules_file: Path | None = None
     decode_processes: int = 2
     ingest_queue_max_events: int = 200_000
     ingest_full_policy: str = "reject"
@@ -193,6 +196,8 @@ class AgentConfig:
             raise ValueError(f"checkpoint_wal_bytes must be >= 1, got {self.checkpoint_wal_bytes}")
         if self.export_dir is not None and not isinstance(self.export_dir, Path):
             object.__setattr__(self, "export_dir", Path(self.export_dir))
+        if self.alert_rules_file is not None and not isinstance(self.alert_rules_file, Path):
+            object.__setattr__(self, "alert_rules_file", Path(self.alert_rules_file))
         self.alert_rule  # noqa: B018 — validates the alert_* rule settings now, not at first use
 
     @property

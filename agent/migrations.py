@@ -213,6 +213,28 @@ MIGRATIONS: tuple[Migration, ...] = (
         name="cache_minute rollups and their watermark, batch digests, seq gaps, Parquet export log",
         statements=_V3_STATEMENTS,
     ),
+    Migration(
+        version=4,
+        name="alert_state: the rule-file evaluator's state (pending time survives a restart)",
+        statements=(
+            """
+            CREATE TABLE alert_state (
+                fingerprint VARCHAR PRIMARY KEY,
+                alert VARCHAR NOT NULL,
+                labels VARCHAR NOT NULL,
+                series VARCHAR NOT NULL,
+                status VARCHAR NOT NULL,
+                active_since DOUBLE,
+                firing_since DOUBLE,
+                inactive_since DOUBLE,
+                resolved_at DOUBLE,
+                evaluated_at DOUBLE,
+                value DOUBLE,
+                updated_at TIMESTAMP NOT NULL
+            )
+            """,
+        ),
+    ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""
 

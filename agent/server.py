@@ -24,6 +24,8 @@ from agent.config import AgentConfig
 from agent.maintenance import MaintenanceScheduler
 from agent.metrics import AgentMetrics
 from agent.store import Store
+from alerts.rule_scheduler import RuleScheduler
+from alerts.rulefile import load_rule_file
 from alerts.scheduler import AlertScheduler
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
     Raises:
         duckdb.Error: the store cannot be opened (for example another agent holds the file).
         OSError: the port cannot be bound.
+        alerts.rulefile.RuleFileError: ``config.alert_rules_file`` cannot be used.
     """
     config.data_dir.mkdir(parents=True, exist_ok=True)
     store = Store.open(config.db_path, wal_autocheckpoint_bytes=config.checkpoint_wal_bytes)
@@ -60,12 +63,27 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
             )
         )
         maintenance = MaintenanceScheduler(store, config, metrics)
+        rule_scheduler = None
+        if config.alert_rules_file is not None:
+            rule_scheduler = RuleScheduler(
+                store=store,
+                rules=load_rule_file(config.alert_rules_file),
+                log_path=config.alert_log_path,
+                registry=metrics.registry,
+                lag_seconds=config.alert_ingest_lag_seconds,
+                row_limit=config.sql_row_limit,
+                timeout_seconds=config.sql_timeout_seconds,
+            )
         scheduler.start()
         maintenance.start()
+        if rule_scheduler is not None:
+            rule_scheduler.start()
         try:
             with _signals_end_quietly():
                 server.run()
         finally:
+            if rule_scheduler is not None:
+                rule_scheduler.shutdown()
             scheduler.shutdown()
             maintenance.shutdown()
     finally:

@@ -279,6 +279,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, **overrides)
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None
+    if config.alert_rules_file is not None:
+        from alerts.rulefile import RuleFileError, load_rule_file
+
+        try:
+            load_rule_file(config.alert_rules_file)
+        except RuleFileError as exc:
+            raise UserError(str(exc)) from None
     from kvscope.services import port_is_free
 
     if not port_is_free(config.host, config.port):

@@ -90,3 +90,27 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_serve_runs_a_rule_file(tmp_path: Path) -> None:
+    """With ``alert_rules_file`` the agent evaluates the file's groups on their schedules: an
+    expr rule whose query returns a row fires into the log receiver."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "groups:\n  - name: fast\n    interval: 200ms\n    rules:\n"
+        "      - alert: Always\n        expr: \"SELECT 'x' AS engine, 1.0 AS value\"\n"
+        "        labels: {severity: info}\n        annotations: {summary: 'always {{ $labels.engine }}'}\n"
+    )
+    process = start_agent(free_port(), tmp_path / "data", rules=rules)
+    try:
+        log_file = tmp_path / "data" / "alerts.log"
+        deadline = time.monotonic() + 20
+        while not log_file.exists():
+            assert time.monotonic() < deadline, "the rule file was not evaluated"
+            time.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    assert process.returncode == 0
+    [line] = log_file.read_text().splitlines()
+    assert '"annotations": {"summary": "always x"}' in line and '"status": "firing"' in line

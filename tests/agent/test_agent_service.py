@@ -246,7 +246,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
     con.close()
     store = Store.open(path)
     try:
-        assert store.open_report.applied == (2, 3) and store.schema_version == SCHEMA_VERSION
+        assert store.open_report.applied == (2, 3, 4) and store.schema_version == SCHEMA_VERSION
         resent = ingest_batch(store, decode_batch(json_body(batch(0, known_events(minute_start())))), received_at=utc_now())
         assert resent.status == "duplicate"
         with store.cursor() as cur:

@@ -176,3 +176,15 @@ def test_alerts_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as exit_info:
         main(["alerts", "check", str(DEFAULT_RULES_PATH)])
     assert exit_info.value.code == 0
+
+
+def test_agent_refuses_a_bad_rule_file_before_starting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(rule_file(kind="engine_silent", silent_for="5x")))
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\nalert_rules_file: {bad}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["agent", "--config", str(config)])
+    assert exit_info.value.code == 2
+    assert f"kvscope agent: {bad}: group 'g': rule 'A': field silent_for" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()
