@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Streamlit dashboard")
     up.add_argument("--exit-when-done", action="store_true", help="stop agent and dashboard after the replay")
     up.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help="evaluate alerts every N s instead of every minute")
+    up.add_argument("--alert-rules", type=Path, default=None, help="the agent's alert rule file (default: the shipped alerts/default_rules.yaml)")
     _add_replay_flags(up)
 
     agent = sub.add_parser("agent", parents=[verbose], help="the sidecar: ingest, DuckDB store, metrics, SQL, alerts")
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--data-dir", type=Path, default=None)
     agent.add_argument("--token", default=None, help="bearer token (or KVSCOPE_TOKEN)")
     agent.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help=argparse.SUPPRESS)
+    agent.add_argument("--alert-rules", type=Path, default=None, help="an alert rule file to evaluate (overrides alert_rules_file)")
 
     dash = sub.add_parser("dashboard", parents=[verbose], help="the Streamlit dashboard")
     dash.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
@@ -249,6 +251,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         exit_when_done=args.exit_when_done,
         json=args.json,
         alert_interval_seconds=args.alert_interval_seconds,
+        alert_rules=args.alert_rules,
     )
     try:
         return run_up(opts)
@@ -273,6 +276,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
                 "data_dir": args.data_dir,
                 "token": args.token,
                 "alert_interval_seconds": args.alert_interval_seconds,
+                "alert_rules_file": args.alert_rules,
             }.items()
             if v is not None
         }
@@ -295,7 +299,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         f"(ingest queue {config.ingest_queue_max_events} events, full policy "
         f"{config.ingest_full_policy}; raw rows kept "
         f"{'forever' if config.raw_retention_hours is None else f'{config.raw_retention_hours:g} h'}; "
-        f"Parquet export {'to ' + str(config.parquet_dir) if config.export_enabled else 'off'})",
+        f"Parquet export {'to ' + str(config.parquet_dir) if config.export_enabled else 'off'}; "
+        f"alert rules {config.alert_rules_file or 'built-in only'})",
         file=sys.stderr,
         flush=True,
     )

@@ -26,6 +26,7 @@ import duckdb
 from rich.console import Console
 
 from agent.store import lock_holder
+from alerts.rulefile import DEFAULT_RULES_PATH
 from engine.cache import CacheConfig
 from engine.llm import check_cache_config
 from engine.presets import check_model_ref
@@ -51,6 +52,8 @@ class UpOptions:
     exit_when_done: bool
     json: bool
     alert_interval_seconds: float | None
+    alert_rules: Path | None = None
+    """The agent's rule file (None: the shipped default, ``alerts/default_rules.yaml``)."""
 
 
 def run_up(opts: UpOptions) -> int:
@@ -89,6 +92,7 @@ def run_up(opts: UpOptions) -> int:
         ]  # fmt: skip
         if opts.alert_interval_seconds:
             agent_cmd += ["--alert-interval-seconds", str(opts.alert_interval_seconds)]
+        agent_cmd += ["--alert-rules", str(opts.alert_rules or DEFAULT_RULES_PATH)]
         agent = services.start("agent", agent_cmd, opts.data_dir / "agent.log")
         services.wait_http_ok(agent, agent_url + "/readyz", timeout_seconds=60)
         err.print(f"agent      {agent_url}  (DuckDB {opts.data_dir / 'kvscope.duckdb'}, metrics {agent_url}/metrics)")

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from alerts.rulefile import DEFAULT_RULES_PATH
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
@@ -124,6 +125,8 @@ def test_up_exit_when_done_then_sql_on_the_file(tmp_path: Path) -> None:
     assert per_form == dict.fromkeys(FORMS, 12)
     total = kvscope_sql(db, "SELECT sum(recoverable_tokens), sum(prompt_tokens) FROM requests")["rows"][0]
     assert total == [summary["recoverable_tokens"], summary["prompt_tokens"]]
+    # the agent ran the shipped rule file
+    assert f"alert rules {DEFAULT_RULES_PATH}" in (data / "agent.log").read_text()
 
 
 def test_up_rejects_a_malformed_trace_before_starting(tmp_path: Path) -> None:
