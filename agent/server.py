@@ -76,9 +76,9 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
             )
         scheduler.start()
         maintenance.start()
-        if rule_scheduler is not None:
-            rule_scheduler.start()
         try:
+            if rule_scheduler is not None:
+                rule_scheduler.start()
             with _signals_end_quietly():
                 server.run()
         finally:
@@ -86,6 +86,9 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
                 rule_scheduler.shutdown()
             scheduler.shutdown()
             maintenance.shutdown()
+            # normally done by the app's shutdown; not when the server never ran
+            app.state.ingestor.close()
+            app.state.decoder.shutdown()
     finally:
         store.close()
         log.info("agent stopped; store %s checkpointed and closed", config.db_path)

@@ -10,11 +10,12 @@ Windows end at ``now − lag`` (late events are allowed for by the ingest lag) a
 * ``recoverable_hit_rate_below`` — the same sums over each burn window's long and short window;
 * ``form_invalidation_spike`` — per (engine, form, reason) from ``cache_lookups``: the reason's
   invalidated lookups and the form's lookups, in the window and in the baseline before it;
-* ``recovery_latency_high`` — per (engine, form, tier) from the ``cache_minute`` rollup (whole
-  minutes overlapping the window): cumulative recovery-latency bucket counts and the number of
-  recoveries (lookups recovered or replayed);
-* ``engine_silent`` — per engine that stored a batch within ``lookback``: seconds since its last
-  stored batch; ``ingest_stalled`` — one series (no labels): seconds since the last stored batch
+* ``recovery_latency_high`` — per (engine, form, tier) from the ``cache_minute`` rollup (the
+  whole minutes of the window, the minute its end falls in excluded): cumulative
+  recovery-latency bucket counts and the number of recoveries (lookups recovered or replayed);
+* ``engine_silent`` — per engine: seconds since its last stored batch; an engine silent for longer
+  than ``lookback`` is retired (inactive: its alert resolves instead of firing forever);
+  ``ingest_stalled`` — one series (no labels): seconds since the last stored batch
   of any engine (none before any batch was ever stored);
 * ``expr`` rules — the named query or SQL, run read-only with the agent's row and time limits:
   the ``value`` column is the series' value, every other column a label.
@@ -166,6 +167,7 @@ def _shares(store: Store, start: float, end: float, baseline_window: float) -> d
 def _latency(store: Store, start: float, end: float) -> dict[tuple[tuple[str, str], ...], SeriesInput]:
     buckets = ", ".join(f"sum({bucket_column(b)})::BIGINT" for b in RECOVERY_BUCKETS)
     first_minute = to_timestamp(math.floor(start / 60) * 60)
+    end_minute = to_timestamp(math.floor(end / 60) * 60)  # whole minutes before the window's end
     with store.cursor() as cur:
         rows = cur.execute(
             f"""
@@ -174,7 +176,7 @@ def _latency(store: Store, start: float, end: float) -> dict[tuple[tuple[str, st
             FROM cache_minute WHERE minute >= $start AND minute < $end
             GROUP BY ALL HAVING sum(lookups) FILTER (WHERE outcome IN ('recovered', 'replayed')) > 0
             """,
-            {"start": first_minute, "end": to_timestamp(end)},
+            {"start": first_minute, "end": end_minute},
         ).fetchall()
     return {
         _key(engine=e, form=f, tier=t): LatencyInput(tuple(RECOVERY_BUCKETS), tuple(int(c) for c in counts))
@@ -183,13 +185,10 @@ def _latency(store: Store, start: float, end: float) -> dict[tuple[tuple[str, st
 
 
 def _silence(store: Store, now: float, lookback: float, *, per_engine: bool) -> dict[tuple[tuple[str, str], ...], SeriesInput]:
-    since = to_timestamp(now - lookback)
     with store.cursor() as cur:
         if per_engine:
             rows = cur.execute(
-                "SELECT engine_id, max(received_at) FROM ingest_batches "
-                "WHERE status = 'stored' AND received_at >= $since GROUP BY engine_id",
-                {"since": since},
+                "SELECT engine_id, max(received_at) FROM ingest_batches WHERE status = 'stored' GROUP BY engine_id"
             ).fetchall()
         else:  # any stored batch ever: a stall older than the lookback still counts
             rows = cur.execute("SELECT NULL, max(received_at) FROM ingest_batches WHERE status = 'stored'").fetchall()
@@ -198,8 +197,11 @@ def _silence(store: Store, now: float, lookback: float, *, per_engine: bool) -> 
         if last is None:
             continue
         assert isinstance(last, datetime)
-        key = _key(engine=engine) if per_engine else ()
-        out[key] = SilenceInput(max(now - _unix(last), 0.0))
+        seconds = max(now - _unix(last), 0.0)
+        if per_engine:  # an engine silent for longer than the lookback is retired, not alerting
+            out[_key(engine=engine)] = SilenceInput(seconds, retired=seconds > lookback)
+        else:
+            out[()] = SilenceInput(seconds)
     return out
 
 
@@ -222,11 +224,25 @@ def _expr(store: Store, rule: Rule, now: float, row_limit: int, timeout_seconds:
         raise ExprError(f"rule {rule.alert}: its query failed: {exc.reason}") from None
     if "value" not in result.columns:
         raise ExprError(f"rule {rule.alert}: its query returns no value column (columns: {', '.join(result.columns)})")
+    if result.truncated:
+        raise ExprError(
+            f"rule {rule.alert}: its query returned more than {row_limit} rows; narrow it (a missing "
+            "series would read as resolved)"
+        )
     table: pa.Table = result.table
     labels = [c for c in result.columns if c != "value"]
     out: dict[tuple[tuple[str, str], ...], SeriesInput] = {}
     for row in table.to_pylist():
         value = row["value"]
         key = _key(**{c: row[c] for c in labels})
-        out[key] = None if value is None else float(value)
+        if value is None:
+            out[key] = None
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ExprError(
+                f"rule {rule.alert}: its value column must be numeric, got {type(value).__name__} {value!r}"
+            ) from None
+        out[key] = number if math.isfinite(number) else None  # NaN or ±Inf: no data
     return out

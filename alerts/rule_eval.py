@@ -23,7 +23,8 @@ Per series, each kind first gives a **verdict**: active, inactive, or no data, p
   cumulative bucket counts as Prometheus's ``histogram_quantile`` does (linear within a bucket);
   active above ``threshold``; no data below ``min_recoveries``.
 * ``ingest_stalled`` / ``engine_silent`` — value is seconds since the last event; active when at
-  least ``silent_for``. Never no data (silence is the signal).
+  least ``silent_for``, unless the engine is retired (silent past the lookback). Never no data
+  (silence is the signal).
 * ``expr`` rules — as in Prometheus, every series the query returns (with a non-NULL ``value``)
   is active, with that value; write the condition into the query (``WHERE ratio < 0.5``). A
   series the query no longer returns is inactive (its last value is kept).
@@ -107,6 +108,8 @@ class LatencyInput:
 @dataclass(frozen=True, slots=True)
 class SilenceInput:
     seconds_since_last: float
+    retired: bool = False
+    """Silent for longer than the rule's lookback: gone for good, never alerting."""
 
 
 SeriesInput = DropInput | BurnInput | ShareInput | LatencyInput | SilenceInput | float | None
@@ -196,7 +199,7 @@ def verdict(rule: Rule, series: SeriesInput, was_active: bool) -> Verdict:
     if isinstance(settings, RecoveryLatencyHigh) and isinstance(series, LatencyInput):
         return _latency(settings, series)
     if isinstance(settings, Silence) and isinstance(series, SilenceInput):
-        return Verdict(series.seconds_since_last >= settings.silent_for, series.seconds_since_last)
+        return Verdict(not series.retired and series.seconds_since_last >= settings.silent_for, series.seconds_since_last)
     raise TypeError(f"{rule.alert}: input {type(series).__name__} does not fit kind {rule.kind}")
 
 

@@ -5,15 +5,16 @@ sets one, else at every minute boundary plus the ingest lag (``CronTrigger(secon
 ``max_instances=1`` and coalescing, so a slow run is never doubled up. A run of a group:
 
 1. collects each rule's inputs (:func:`alerts.inputs.collect_inputs`); a rule whose query fails
-   is skipped this time with its state unchanged (logged, counted in
-   ``kvscope_alert_rule_failures_total``);
+   (a bad expr value, a truncated result, a store error) is skipped this time with its state
+   unchanged (logged, counted in ``kvscope_alert_rule_failures_total``);
 2. evaluates the group (:func:`alerts.rule_eval.evaluate`) against its own alerts' state;
 3. in one transaction: writes the changed states to ``alert_state`` (deleting the dropped ones)
    and the notifications (firing, resolved) to ``alerts``;
 4. appends each notification as one JSON line to the log receiver's file.
 
 :meth:`RuleScheduler.start` first restores the state from ``alert_state``, so a restart neither
-re-pages nor loses pending time; alerts of rules no longer in the file are resolved then.
+re-pages nor loses pending time; alerts the file can no longer produce (a rule removed, or its
+labels or burn windows changed) are resolved then.
 """
 
 from __future__ import annotations
@@ -36,8 +37,17 @@ from prometheus_client import CollectorRegistry, Counter
 from agent.ingest import registered
 from agent.store import Store, to_timestamp
 from alerts.inputs import ExprError, collect_inputs
-from alerts.rule_eval import AlertState, Labels, Notification, SeriesInput, Status, evaluate
-from alerts.rulefile import RuleFile, RuleGroup
+from alerts.rule_eval import (
+    AlertState,
+    Labels,
+    Notification,
+    SeriesInput,
+    Status,
+    burn_verdicts,
+    evaluate,
+    fingerprint,
+)
+from alerts.rulefile import HitRateBelow, RuleFile, RuleGroup
 
 log = logging.getLogger(__name__)
 
@@ -225,14 +235,26 @@ class RuleScheduler:
         """Load the state; resolve (and forget) the alerts of rules no longer in the file."""
         now = self.clock() if now is None else now
         loaded = load_rule_state(self.store)
-        names = {rule.alert for rule in self.rules.rules}
-        orphans = {fp: st for fp, st in loaded.items() if st.alert not in names}
+        current = {fp for st in loaded.values() for fp in self._fingerprints(st)}
+        orphans = {fp: st for fp, st in loaded.items() if fp not in current}
         _, notes = evaluate([], {}, now, orphans)
         save(self.store, orphans, {}, notes, now)
         append_log(self.log_path, notes)
         with self._lock:
-            self._state = {fp: st for fp, st in loaded.items() if st.alert in names}
+            self._state = {fp: st for fp, st in loaded.items() if fp not in orphans}
         return notes
+
+    def _fingerprints(self, st: AlertState) -> set[str]:
+        """The fingerprints the file's rules can give ``st``'s series now (none when its rule is
+        gone): a rule whose labels or burn windows changed no longer reaches the old alert, which
+        is then resolved like a removed rule's."""
+        rule = next((r for r in self.rules.rules if r.alert == st.alert), None)
+        if rule is None:
+            return set()
+        extras: list[dict[str, str]] = [{}]
+        if isinstance(rule.settings, HitRateBelow):
+            extras = [labels for labels, _ in burn_verdicts(rule.settings, None)]
+        return {fingerprint(rule.alert, {**dict(st.series), **rule.labels, **extra}) for extra in extras}
 
     def run_group(self, group: RuleGroup, now: float | None = None) -> list[Notification]:
         """Evaluate one group at ``now`` (default: the clock); returns its notifications."""
@@ -254,6 +276,10 @@ class RuleScheduler:
             except ExprError as exc:
                 self.failures.labels(alert=rule.alert).inc()
                 log.error("alert rule skipped this time: %s", exc)
+                continue
+            except Exception:  # a store error: skip this rule, keep the group going
+                self.failures.labels(alert=rule.alert).inc()
+                log.exception("alert rule %s skipped this time", rule.alert)
                 continue
             evaluated.append(rule)
         names = {rule.alert for rule in evaluated}

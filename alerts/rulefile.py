@@ -488,6 +488,8 @@ def parse_rule_file(raw: object, *, source: str = "<rules>") -> RuleFile:
 
 
 _RULE_KEYS = {"alert", "kind", "expr", "for", "keep_firing_for", "labels", "annotations"}
+RESERVED_ALERTS = frozenset({"RecoverableHitRateLow"})
+"""Names of the agent's built-in rule (:mod:`alerts.rules`), which keeps its own state."""
 
 
 def _parse_rule(raw: object, group_where: str, index: int) -> Rule:
@@ -497,6 +499,8 @@ def _parse_rule(raw: object, group_where: str, index: int) -> Rule:
     if not isinstance(alert, str) or not ALERT_NAME.fullmatch(alert):
         raise RuleFileError(f"{group_where}: rule {index}: field alert: must be a name like RecoverableHitRateDrop, got {alert!r}")
     where = f"{group_where}: rule {alert!r}"
+    if alert in RESERVED_ALERTS:
+        raise RuleFileError(f"{where}: field alert: {alert} is the agent's built-in rule; choose another name")
     kind = raw.get("kind")
     settings_keys: set[str] = set()
     if kind is not None:
@@ -605,6 +609,11 @@ def _expr(value: object) -> NamedQueryExpr | SqlExpr:
             query.bind(text, now=datetime.now(UTC).replace(tzinfo=None))
         except queries.QueryError as exc:
             raise ValueError(exc.reason) from None
+        if "value" not in query.columns:
+            raise ValueError(
+                f"named query {query.name} returns no value column ({', '.join(query.columns)}); "
+                "write the rule's SQL instead"
+            )
         return NamedQueryExpr(query.name, text)
     raise ValueError("expected one SQL statement (a string) or {query: NAME, params: {...}}")
 

@@ -70,15 +70,18 @@ def query_window(store: Store, *, start: float, end: float) -> dict[SeriesKey, M
     }
 
 
-def load_state(store: Store) -> dict[str, AlertState]:
-    """The latest transition of every fingerprint in the ``alerts`` table, as state."""
+def load_state(store: Store, alerts: Sequence[str] | None = None) -> dict[str, AlertState]:
+    """The latest transition of every fingerprint in the ``alerts`` table, as state — only of
+    the ``alerts`` named (the rule scheduler writes its own rules' transitions there too)."""
     with store.cursor() as cur:
         rows = cur.execute(
             """
             SELECT epoch_us(ts), alert, fingerprint, state, value, labels
             FROM alerts
+            WHERE $names::VARCHAR[] IS NULL OR list_contains($names::VARCHAR[], alert)
             QUALIFY row_number() OVER (PARTITION BY fingerprint ORDER BY ts DESC) = 1
-            """
+            """,
+            {"names": list(alerts) if alerts is not None else None},
         ).fetchall()
     return {
         fp: AlertState(
@@ -203,7 +206,7 @@ class AlertScheduler:
 
     def restore(self) -> None:
         """Load the state from the ``alerts`` table (done by :meth:`start`)."""
-        restored = load_state(self._store)
+        restored = load_state(self._store, [rule.name for rule in self._rules])
         with self._lock:
             self._state = restored
 

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dashboard-port", type=_port, default=8501)
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Streamlit dashboard")
     up.add_argument("--exit-when-done", action="store_true", help="stop agent and dashboard after the replay")
-    up.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help="evaluate alerts every N s instead of every minute")
+    up.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help="evaluate the built-in alert rule every N s instead of every minute (rule-file groups keep their own interval)")
     up.add_argument("--alert-rules", type=Path, default=None, help="the agent's alert rule file (default: the shipped alerts/default_rules.yaml)")
     _add_replay_flags(up)
 

@@ -109,7 +109,10 @@ def test_invalidation_shares_and_latency_buckets(store: Store) -> None:
     spikes = collect_inputs(store, [rule(kind="form_invalidation_spike")], now=NOW)
     assert spikes == {"A": {(("engine", "e1"), ("form", "swa_window"), ("reason", "swa_evicted")): ShareInput(2, 3, 1, 2)}}
     fold_cache_minute(store)
-    latency = collect_inputs(store, [rule(kind="recovery_latency_high")], now=NOW)
+    # the job runs at second 5 (the lag): the window ends on a minute boundary and takes the whole
+    # minutes before it; a run a few ms late must not take the minute that just started
+    latency = collect_inputs(store, [rule(kind="recovery_latency_high")], now=NOW + 5)
+    assert collect_inputs(store, [rule(kind="recovery_latency_high")], now=NOW + 5.003) == latency
     [(key, value)] = latency["A"].items()
     assert key == (("engine", "e1"), ("form", "full_kv"), ("tier", "host"))
     assert isinstance(value, LatencyInput)
@@ -129,7 +132,9 @@ def test_silence_per_engine_and_overall(store: Store) -> None:
     assert stalled == {"A": {(): SilenceInput(30.0)}}
     # a stall older than the lookback still counts (it is the signal); engines past it drop out
     assert collect_inputs(store, [rule(kind="ingest_stalled")], now=NOW + 7200) == {"A": {(): SilenceInput(7230.0)}}
-    assert collect_inputs(store, [rule(kind="engine_silent")], now=NOW + 7200) == {"A": {}}
+    assert collect_inputs(store, [rule(kind="engine_silent")], now=NOW + 7200) == {
+        "A": {(("engine", "e1"),): SilenceInput(7600.0, retired=True), (("engine", "e2"),): SilenceInput(7230.0, retired=True)}
+    }
 
 
 def test_expr_rules(store: Store) -> None:
@@ -137,7 +142,7 @@ def test_expr_rules(store: Store) -> None:
     store_events(store, [request(END - 10, 3000, 400, engine="e2")], engine="e2")
     sql_rule = rule(expr="SELECT engine_id AS engine, sum(prompt_tokens) / 1000 AS value FROM requests GROUP BY 1")
     assert collect_inputs(store, [sql_rule], now=NOW) == {"A": {(("engine", "e1"),): 1.0, (("engine", "e2"),): 3.0}}
-    no_value = rule(expr={"query": "totals"})
+    no_value = rule(expr="SELECT engine_id FROM requests")
     with pytest.raises(ExprError, match="rule A: its query returns no value column"):
         collect_inputs(store, [no_value], now=NOW)
     failing = rule(expr="SELECT 1 / 0 AS value, 'x' AS engine FROM range(1) WHERE error('boom') IS NULL")

@@ -123,3 +123,57 @@ def test_the_background_job_runs_each_group(store: Store, tmp_path: Path) -> Non
         sched.shutdown()
     [line] = [json.loads(x) for x in (tmp_path / "alerts.log").read_text().splitlines()]
     assert (line["alert"], line["status"]) == ("Quiet", "firing")
+
+
+# -- regressions from the review --------------------------------------------------------------------
+def test_bad_values_truncation_and_store_errors_skip_only_their_rule(store: Store, tmp_path: Path) -> None:
+    silent = {"alert": "Quiet", "kind": "ingest_stalled", "silent_for": "1m", "labels": {"severity": "page"}}
+    text = {"alert": "Text", "expr": "SELECT 'x' AS engine, 'high' AS value", "labels": {"severity": "info"}}
+    many = {"alert": "Many", "expr": "SELECT i::VARCHAR AS engine, 1.0 AS value FROM range(3) t(i)", "labels": {"severity": "info"}}
+    nan = {"alert": "Nan", "expr": "SELECT 'x' AS engine, 'nan'::DOUBLE AS value", "labels": {"severity": "info"}}
+    requests(store, (T - 10, 1000, 900))
+    sched = RuleScheduler(
+        store=store, rules=rules(text, many, nan, silent), log_path=tmp_path / "alerts.log", registry=CollectorRegistry(), row_limit=2
+    )
+    sched.restore(T)
+    with store.transaction() as cur:  # a store error for the drop rule's table
+        cur.execute("ALTER TABLE requests RENAME TO requests_gone")
+    notes = sched.run_group(sched.rules.groups[0], T + 3600)
+    assert [(n.alert, n.status) for n in notes] == [("Quiet", Status.FIRING)]  # Nan: no data
+    assert {a: sched.failures.labels(alert=a)._value.get() for a in ("Drop", "Text", "Many", "Nan")} == {
+        "Drop": 1.0, "Text": 1.0, "Many": 1.0, "Nan": 0.0,
+    }  # fmt: skip
+
+
+def test_a_rule_whose_labels_changed_resolves_its_old_alert(store: Store, tmp_path: Path) -> None:
+    requests(store, *((T - 600 - 60 * i, 1000, 900) for i in range(10)), *((T - 10 - 60 * i, 1000, 300) for i in range(5)))
+    first = scheduler(store, tmp_path, rules())
+    first.restore(T)
+    first.run_group(first.rules.groups[0], T)
+    first.run_group(first.rules.groups[0], T + 120)
+    edited = rules()
+    object.__setattr__(edited.groups[0].rules[0], "labels", {"severity": "ticket"})
+    notes = scheduler(store, tmp_path, edited).restore(T + 180)
+    assert [(n.status, n.labels["severity"]) for n in notes] == [(Status.RESOLVED, "page")]
+    assert load_rule_state(store) == {}
+
+
+def test_a_retired_engine_resolves_its_silence(store: Store, tmp_path: Path) -> None:
+    silent = {"alert": "EngineGone", "kind": "engine_silent", "silent_for": "5m", "lookback": "1h", "labels": {"severity": "ticket"}}
+    requests(store, (T - 10, 1000, 900), received=T)
+    sched = scheduler(store, tmp_path, parse_rule_file({"groups": [{"name": "g", "rules": [silent]}]}))
+    sched.restore(T)
+    assert [n.status for n in sched.run_group(sched.rules.groups[0], T + 600)] == [Status.FIRING]
+    assert [n.status for n in sched.run_group(sched.rules.groups[0], T + 7200)] == [Status.RESOLVED]
+
+
+def test_the_built_in_rule_keeps_to_its_own_alerts(store: Store, tmp_path: Path) -> None:
+    from alerts.scheduler import load_state
+
+    requests(store, *((T - 600 - 60 * i, 1000, 900) for i in range(10)), *((T - 10 - 60 * i, 1000, 300) for i in range(5)))
+    sched = scheduler(store, tmp_path, rules())
+    sched.restore(T)
+    sched.run_group(sched.rules.groups[0], T)
+    sched.run_group(sched.rules.groups[0], T + 120)
+    assert load_state(store, ["RecoverableHitRateLow"]) == {}
+    assert len(load_state(store)) == 1

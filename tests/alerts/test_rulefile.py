@@ -58,8 +58,8 @@ def rule_file(**rule: object) -> dict[str, object]:
 
 
 def test_expr_rules_named_query_and_sql() -> None:
-    named = parse_rule_file(rule_file(expr={"query": "hit_rate_timeseries", "params": {"since_seconds": 600}}))
-    assert named.rules[0].expr == NamedQueryExpr("hit_rate_timeseries", {"since_seconds": "600"})
+    named = parse_rule_file(rule_file(expr={"query": "alerts_recent", "params": {"limit": 5}}))
+    assert named.rules[0].expr == NamedQueryExpr("alerts_recent", {"limit": "5"})
     assert named.groups[0].interval_seconds == 30.0
     statement = "SELECT engine_id AS engine, 0.5 AS value FROM requests"
     assert parse_rule_file(rule_file(expr=statement)).rules[0].expr == SqlExpr(statement)
@@ -99,6 +99,8 @@ def test_burn_windows_and_settings_from_yaml() -> None:
         ({"expr": "COPY requests TO '/tmp/x.csv'"}, "field expr: only read statements"),
         ({"expr": "SELECT 1; SELECT 2"}, "field expr: exactly one statement"),
         ({"expr": {"query": "nope"}}, "field expr: unknown query 'nope'"),
+        ({"expr": {"query": "totals"}}, "field expr: named query totals returns no value column"),
+        ({"alert": "RecoverableHitRateLow", "kind": "engine_silent"}, "is the agent's built-in rule"),
         ({"expr": {"query": "totals", "params": {"bogus": 1}}}, "field expr: parameter 'bogus': unknown parameter of query totals"),
         ({"kind": "engine_silent", "labels": {}}, "field labels.severity: required"),
         ({"kind": "engine_silent", "labels": {"severity": "urgent"}}, "field labels.severity: required"),
