@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     alerts_sub = alerts.add_subparsers(dest="alerts_command", required=True)
     check = alerts_sub.add_parser("check", parents=[verbose], help="validate rule files (like promtool check rules)")
     check.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    export = alerts_sub.add_parser(
+        "export-prometheus", parents=[verbose], help="write equivalent Prometheus alerting rules over the agent's metrics"
+    )
+    export.add_argument("file", type=Path, metavar="FILE")
+    export.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
     return parser
 
 
@@ -419,6 +424,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_alerts(args: argparse.Namespace) -> int:
     from alerts.rulefile import RuleFileError, load_rule_file
 
+    if args.alerts_command == "export-prometheus":
+        from alerts.prometheus_export import export_prometheus
+
+        try:
+            text = export_prometheus(load_rule_file(args.file))
+        except RuleFileError as exc:
+            raise UserError(str(exc)) from None
+        if args.output is None:
+            sys.stdout.write(text)
+        else:
+            args.output.write_text(text, encoding="utf-8")
+        return 0
     failed = 0
     for path in args.files:
         try:

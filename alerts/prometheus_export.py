@@ -1,0 +1,169 @@
+"""``kvscope alerts export-prometheus``: a rule file's built-in rules as Prometheus alerting rules
+over the agent's own metrics (``/metrics``), for teams that already run Prometheus.
+
+Each kind becomes PromQL over the agent's counters and histograms (rates over the same windows):
+
+* ``recoverable_hit_rate_drop`` — ``rate(kvscope_recoverable_tokens_total)`` over
+  ``rate(kvscope_prompt_tokens_total)`` per (engine, model) now, against the same ratio over the
+  baseline window ending where the current one starts (``offset``) or a day earlier; both the
+  relative and the absolute fire thresholds and the minimum volume (``increase`` of prompt tokens
+  in each window) must hold. Prometheus has no hysteresis: the clear thresholds are not exported
+  (``keep_firing_for`` is).
+* ``recoverable_hit_rate_below`` — one rule per burn window (label ``window``, the window's
+  severity): the error ratio ``1 − recoverable/prompt`` over the long and the short window, both
+  above ``burn_rate × (1 − objective)``.
+* ``form_invalidation_spike`` — ``rate(kvscope_invalidations_total)`` per (engine, form, reason)
+  over ``rate(kvscope_cache_lookups_total)`` per (engine, form), now minus the baseline share.
+* ``recovery_latency_high`` — ``histogram_quantile`` over ``kvscope_recovery_seconds_bucket``.
+* ``ingest_stalled`` / ``engine_silent`` — no stored batch, or no finished request of an engine,
+  within ``silent_for`` (``increase(...) == 0``).
+
+``expr`` rules (SQL or named queries over the agent's tables) have no PromQL equivalent and are
+left out, each named in a comment at the top. Every exported file passes ``promtool check rules``.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from alerts.rulefile import (
+    HitRateBelow,
+    HitRateDrop,
+    InvalidationSpike,
+    RecoveryLatencyHigh,
+    Rule,
+    RuleFile,
+    Silence,
+)
+
+DAY = 86_400
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a Prometheus duration (``1h30m``, ``500ms``)."""
+    if seconds <= 0:
+        return "0s"
+    millis = round(seconds * 1000)
+    out = ""
+    for unit, size in (("d", DAY * 1000), ("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
+        if millis >= size:
+            out += f"{millis // size}{unit}"
+            millis %= size
+    return out
+
+
+def _ratio(window: str, offset: str = "") -> str:
+    off = f" offset {offset}" if offset else ""
+    return (
+        f"sum by (engine, model) (rate(kvscope_recoverable_tokens_total[{window}]{off}))"
+        f" / sum by (engine, model) (rate(kvscope_prompt_tokens_total[{window}]{off}))"
+    )
+
+
+def _volume(window: str, minimum: int, offset: str = "") -> str:
+    off = f" offset {offset}" if offset else ""
+    return f"sum by (engine, model) (increase(kvscope_prompt_tokens_total[{window}]{off})) >= {minimum}"
+
+
+def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
+    """The PromQL of a built-in rule: (extra labels, expression) per exported rule; empty for an
+    expr rule."""
+    s = rule.settings
+    if isinstance(s, HitRateDrop):
+        window = duration(s.window)
+        if s.baseline == "trailing":
+            base_window, offset = duration(s.baseline_window), window
+        else:
+            base_window, offset = window, "1d"
+        current, baseline = f"({_ratio(window)})", f"({_ratio(base_window, offset)})"
+        expr = (
+            f"{current} < {baseline} * {1 - s.fire_relative_drop:g}"
+            f"\nand {baseline} - {current} >= {s.fire_absolute_drop:g}"
+            f"\nand ({_volume(window, s.min_prompt_tokens)})"
+            f"\nand ({_volume(base_window, s.min_prompt_tokens, offset)})"
+        )
+        return [({}, expr)]
+    if isinstance(s, HitRateBelow):
+        out = []
+        for w in s.windows:
+            limit = w.burn_rate * (1 - s.objective)
+            long, short = duration(w.long), duration(w.short)
+            expr = (
+                f"(1 - ({_ratio(long)})) > {limit:g}"
+                f"\nand (1 - ({_ratio(short)})) > {limit:g}"
+                f"\nand ({_volume(short, s.min_prompt_tokens)})"
+            )
+            out.append(({"window": f"{_short(w.long)}/{_short(w.short)}", "severity": w.severity}, expr))
+        return out
+    if isinstance(s, InvalidationSpike):
+        window, base = duration(s.window), duration(s.baseline_window)
+
+        def share(w: str, offset: str = "") -> str:
+            off = f" offset {offset}" if offset else ""
+            return (
+                f"(sum by (engine, form, reason) (rate(kvscope_invalidations_total[{w}]{off}))"
+                f" / on (engine, form) group_left"
+                f" sum by (engine, form) (rate(kvscope_cache_lookups_total[{w}]{off})))"
+            )
+
+        expr = (
+            f"{share(window)} - {share(base, window)} >= {s.min_share_increase:g}"
+            f"\nand on (engine, form) sum by (engine, form) (increase(kvscope_cache_lookups_total[{window}])) >= {s.min_lookups}"
+        )
+        return [({}, expr)]
+    if isinstance(s, RecoveryLatencyHigh):
+        window = duration(s.window)
+        expr = (
+            f"histogram_quantile({s.quantile:g}, sum by (engine, form, tier, le)"
+            f" (rate(kvscope_recovery_seconds_bucket[{window}]))) > {s.threshold:g}"
+            f"\nand on (engine, form, tier) sum by (engine, form, tier)"
+            f" (increase(kvscope_recovery_seconds_count[{window}])) >= {s.min_recoveries}"
+        )
+        return [({}, expr)]
+    if isinstance(s, Silence):
+        window = duration(s.silent_for)
+        if rule.kind == "ingest_stalled":
+            return [({}, f'sum(increase(kvscope_ingest_batches_total{{status="stored"}}[{window}])) == 0')]
+        return [({}, f"sum by (engine) (increase(kvscope_requests_total[{window}])) == 0")]
+    return []
+
+
+def _short(seconds: float) -> str:
+    for unit, size in (("d", DAY), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def _annotation(template: str) -> str:
+    """Our templates are Prometheus's (``{{ $labels.x }}``, ``{{ $value | humanize }}``)."""
+    return template
+
+
+def export_prometheus(rules: RuleFile) -> str:
+    """The Prometheus rule file (YAML text) equivalent to ``rules``' built-in rules."""
+    skipped = [rule.alert for rule in rules.rules if rule.expr is not None]
+    groups = []
+    for group in rules.groups:
+        exported = []
+        for rule in group.rules:
+            for extra, expr in expressions(rule):
+                entry: dict[str, object] = {"alert": rule.alert, "expr": expr}
+                if rule.for_seconds:
+                    entry["for"] = duration(rule.for_seconds)
+                if rule.keep_firing_for_seconds:
+                    entry["keep_firing_for"] = duration(rule.keep_firing_for_seconds)
+                entry["labels"] = {**rule.labels, **extra}
+                if rule.annotations:
+                    entry["annotations"] = {k: _annotation(v) for k, v in rule.annotations.items()}
+                exported.append(entry)
+        if exported:
+            body: dict[str, object] = {"name": group.name}
+            if group.interval_seconds is not None:
+                body["interval"] = duration(group.interval_seconds)
+            body["rules"] = exported
+            groups.append(body)
+    header = f"# Generated by kvscope alerts export-prometheus from {rules.source}\n"
+    if skipped:
+        header += f"# Left out (SQL expr rules have no PromQL equivalent): {', '.join(skipped)}\n"
+    return header + yaml.safe_dump({"groups": groups}, sort_keys=False, width=1000)
