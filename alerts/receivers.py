@@ -20,6 +20,7 @@ Timestamps are RFC 3339 in UTC.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -135,29 +136,38 @@ def deliver(
     max_backoff_seconds: float = 5.0,
     sleep: Callable[[float], None] = time.sleep,
 ) -> None:
-    """POST ``payload`` as JSON, retrying connection errors, timeouts, 429 and 5xx with capped
-    exponential backoff. The client's timeout bounds each attempt (keep it below the evaluation
-    interval).
+    """POST ``payload`` as JSON, retrying connection errors, timeouts, 408, 429 and 5xx with
+    capped exponential backoff (a ``Retry-After`` in seconds lengthens the wait, up to
+    ``max_backoff_seconds``). The client's timeout bounds each attempt (keep it below the
+    evaluation interval).
 
     Raises:
-        DeliveryError: every attempt failed, or the receiver refused the payload (4xx other than
-            429: not retried).
+        DeliveryError: every attempt failed, the receiver refused the payload (another 4xx: not
+            retried), or the payload is not JSON (non-finite numbers).
     """
+    try:
+        body = json.dumps(payload, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise DeliveryError(f"the notification for {url} is not JSON: {exc}") from None
     delay = backoff_seconds
     reason = "no attempt"
     for attempt in range(1, attempts + 1):
+        wait = delay
         try:
-            response = client.post(url, json=payload)
+            response = client.post(url, content=body, headers={"content-type": "application/json"})
         except httpx.HTTPError as exc:
             reason = f"{type(exc).__name__}: {exc}"
         else:
             if response.status_code < 300:
                 return
             reason = f"HTTP {response.status_code}: {response.text[:200]}"
-            if response.status_code < 500 and response.status_code != 429:
+            if response.status_code < 500 and response.status_code not in (408, 429):
                 raise DeliveryError(f"{url} refused the notification ({reason})")
+            retry_after = response.headers.get("retry-after", "")
+            if retry_after.isdigit():
+                wait = min(max(wait, float(retry_after)), max_backoff_seconds)
         if attempt < attempts:
             log.warning("delivery to %s failed (attempt %d of %d): %s", url, attempt, attempts, reason)
-            sleep(delay)
+            sleep(wait)
             delay = min(delay * 2, max_backoff_seconds)
     raise DeliveryError(f"{url} did not accept the notification after {attempts} attempts ({reason})")

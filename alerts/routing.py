@@ -17,10 +17,14 @@ Semantics follow Alertmanager's documentation ("Configuration: route", "inhibit_
   since the last one; a group with nothing firing and nothing to report is removed.
 * **Inhibition.** A firing alert matching an inhibit rule's ``source_matchers`` mutes the alerts
   matching its ``target_matchers`` that have the same values for the ``equal`` labels (an alert
-  never inhibits itself).
+  never inhibits itself, and two alerts that both match both sides do not inhibit each other).
 * **Silences.** An alert matching every matcher of a silence active at ``now``
-  (``starts_at <= now < ends_at``) is muted. Muted alerts are left out of notifications; their
-  group still exists.
+  (``starts_at <= now < ends_at``) is muted; a silence needs a matcher that does not match the
+  empty string. Muted firing alerts are left out of notifications; their group, and the resolves
+  it owes, are kept — a resolve is never muted.
+* **Group keys** are the chain of the routes' matchers plus the grouping labels, so adding or
+  reordering routes does not re-key groups. :func:`owed_resolves` tells the caller which resolved
+  alerts some group still has to report.
 
 Matchers use Alertmanager's syntax: ``name="value"``, ``name!="value"``, ``name=~"regex"``,
 ``name!~"regex"`` (regexes anchored at both ends); a missing label matches the empty string.
@@ -28,11 +32,12 @@ Matchers use Alertmanager's syntax: ``name="value"``, ``name!="value"``, ``name=
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-_MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*')
+_MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*(?:"((?:[^"\\]|\\.)*)"|([^\s"{},]+))\s*')
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,8 @@ class Matcher:
 
 
 def parse_matcher(text: str) -> Matcher:
-    """``name="value"`` (or ``!=``, ``=~``, ``!~``) as a :class:`Matcher`.
+    """``name="value"`` or ``name=value`` (or ``!=``, ``=~``, ``!~``) as a :class:`Matcher`.
+    Regexes are Python's ``re`` (close to, not identical with, Alertmanager's RE2).
 
     Raises:
         ValueError: not a matcher, or a regex that does not compile.
@@ -62,8 +68,8 @@ def parse_matcher(text: str) -> Matcher:
     match = _MATCHER.fullmatch(text)
     if match is None:
         raise ValueError(f'{text!r} is not a matcher like severity="page" or form=~"swa.*"')
-    name, op, raw = match.groups()
-    value = raw.replace('\\"', '"').replace("\\\\", "\\")
+    name, op, quoted, bare = match.groups()
+    value = quoted.replace('\\"', '"').replace("\\\\", "\\") if quoted is not None else bare
     if op in ("=~", "!~"):
         try:
             re.compile(value)
@@ -89,12 +95,18 @@ class Route:
     continue_: bool = False
     routes: tuple[Route, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.group_by is not None and "..." in self.group_by and len(self.group_by) > 1:
+            raise ValueError("group_by: '...' (all labels) cannot be combined with other labels")
+
 
 @dataclass(frozen=True, slots=True)
 class _Resolved:
     """A route with everything inherited filled in; ``path`` identifies it in the tree."""
 
-    path: tuple[int, ...]
+    path: tuple[str, ...]
+    """The chain of the routes' matchers from the root: stable when siblings are added or
+    reordered (as Alertmanager's route keys)."""
     receiver: str
     group_by: tuple[str, ...]
     group_wait: float
@@ -129,11 +141,16 @@ def route_alert(root: Route, labels: Mapping[str, str]) -> list[_Resolved]:
 
 def _descend(route: Route, resolved: _Resolved, labels: Mapping[str, str]) -> list[_Resolved]:
     found: list[_Resolved] = []
-    for i, child in enumerate(route.routes):
+    seen: dict[str, int] = {}
+    for child in route.routes:
+        identity = "{" + ",".join(f"{m.name}{m.op}{json.dumps(m.value)}" for m in child.matchers) + "}"
+        seen[identity] = seen.get(identity, 0) + 1
+        if seen[identity] > 1:  # siblings with the same matchers: tell them apart by order
+            identity += f"#{seen[identity]}"
         if not matches_all(child.matchers, labels):
             continue
         child_resolved = _Resolved(
-            (*resolved.path, i),
+            (*resolved.path, identity),
             child.receiver or resolved.receiver,
             child.group_by if child.group_by is not None else resolved.group_by,
             child.group_wait if child.group_wait is not None else resolved.group_wait,
@@ -164,6 +181,14 @@ class Silence:
     created_by: str = ""
     comment: str = ""
 
+    def __post_init__(self) -> None:
+        if not self.matchers:
+            raise ValueError("a silence needs at least one matcher")
+        if all(m.matches({}) for m in self.matchers):
+            raise ValueError("a silence needs a matcher that does not match the empty string (it would mute everything)")
+        if not self.ends_at > self.starts_at:
+            raise ValueError("a silence must end after it starts")
+
     def active(self, now: float) -> bool:
         return self.starts_at <= now < self.ends_at
 
@@ -187,11 +212,14 @@ def muted(alert: Alert, alerts: Sequence[Alert], inhibit_rules: Sequence[Inhibit
     for rule in inhibit_rules:
         if not matches_all(rule.target_matchers, alert.labels):
             continue
+        # an alert matching both sides is not inhibited by sources that also match both sides
+        both = matches_all(rule.source_matchers, alert.labels)
         for source in alerts:
             if (
                 source.firing
                 and source.fingerprint != alert.fingerprint
                 and matches_all(rule.source_matchers, source.labels)
+                and not (both and matches_all(rule.target_matchers, source.labels))
                 and all(source.labels.get(name, "") == alert.labels.get(name, "") for name in rule.equal)
             ):
                 return "inhibited"
@@ -225,10 +253,17 @@ def group_key(route: _Resolved, labels: Mapping[str, str]) -> tuple[str, dict[st
     if route.group_by == ("...",):
         grouping = dict(sorted(labels.items()))
     else:
-        grouping = {name: labels.get(name, "") for name in route.group_by}
-    path = ".".join(map(str, route.path)) or "root"
-    key = f"{path}:{{" + ",".join(f'{k}="{v}"' for k, v in sorted(grouping.items())) + "}"
+        grouping = {name: labels[name] for name in route.group_by if name in labels}
+    path = "".join(route.path) or "{}"
+    key = f"{path}:{{" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(grouping.items())) + "}"
     return key, grouping
+
+
+def owed_resolves(groups: Mapping[str, GroupState]) -> frozenset[str]:
+    """Fingerprints some group still has to report resolved: the caller keeps passing these
+    alerts (resolved) to :func:`dispatch` until they leave this set (with ``continue``, one alert
+    is in several groups, each reporting its resolve at its own time)."""
+    return frozenset().union(*(state.last_firing for state in groups.values()))
 
 
 def dispatch(
@@ -247,19 +282,23 @@ def dispatch(
         ValueError: the root has no receiver.
     """
     members: dict[str, tuple[_Resolved, dict[str, str], list[Alert]]] = {}
+    muted_now = {a.fingerprint for a in alerts if a.firing and muted(a, alerts, inhibit_rules, silences, now) is not None}
     for alert in alerts:
-        if muted(alert, alerts, inhibit_rules, silences, now) is not None:
-            continue
         for route in route_alert(root, alert.labels):
             key, grouping = group_key(route, alert.labels)
             members.setdefault(key, (route, grouping, []))[2].append(alert)
-    new_groups: dict[str, GroupState] = {}
+    new_groups: dict[str, GroupState] = {
+        key: state for key, state in groups.items() if key not in members and state.last_firing
+    }  # groups whose alerts are not passed this time keep what they owe
     sends: list[Dispatch] = []
     for key in sorted(members):
         route, grouping, group_alerts = members[key]
         state = groups.get(key) or GroupState(created_at=now)
-        firing = frozenset(a.fingerprint for a in group_alerts if a.firing)
+        # a muted alert is left out of notifications; a resolve is never muted (it is owed)
+        firing_alerts = [a for a in group_alerts if a.firing and a.fingerprint not in muted_now]
+        firing = frozenset(a.fingerprint for a in firing_alerts)
         resolved = tuple(a for a in group_alerts if not a.firing and a.fingerprint in state.last_firing)
+        still = state.last_firing & frozenset(a.fingerprint for a in group_alerts if a.firing)
         if state.last_sent_at is None:
             due = bool(firing) and now - state.created_at >= route.group_wait
         elif firing - state.last_firing or resolved:  # something new to say
@@ -272,11 +311,12 @@ def dispatch(
                     receiver=route.receiver,
                     group_key=key,
                     group_labels=grouping,
-                    firing=tuple(sorted((a for a in group_alerts if a.firing), key=lambda a: a.fingerprint)),
+                    firing=tuple(sorted(firing_alerts, key=lambda a: a.fingerprint)),
                     resolved=tuple(sorted(resolved, key=lambda a: a.fingerprint)),
                 )
             )
-            state = GroupState(created_at=state.created_at, last_sent_at=now, last_firing=firing)
+            # remember muted-but-firing alerts already paged, so their resolve is still owed
+            state = GroupState(created_at=state.created_at, last_sent_at=now, last_firing=firing | (still & muted_now))
         if state.last_firing or firing:
             new_groups[key] = state
     return new_groups, sends

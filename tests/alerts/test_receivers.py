@@ -93,3 +93,13 @@ def test_deliver_gives_up_and_does_not_retry_a_refusal() -> None:
     with refusing as client, pytest.raises(DeliveryError, match="refused the notification"):
         deliver(client, "http://receiver/", {}, attempts=3, sleep=lambda s: None)
     assert calls == [1]
+
+
+def test_deliver_honours_retry_after_retries_408_and_refuses_non_json() -> None:
+    answers = iter([httpx.Response(429, headers={"retry-after": "3"}), httpx.Response(408), httpx.Response(204)])
+    slept: list[float] = []
+    with httpx.Client(transport=httpx.MockTransport(lambda r: next(answers))) as client:
+        deliver(client, "http://receiver/", {"ok": 1}, attempts=3, backoff_seconds=0.5, max_backoff_seconds=5, sleep=slept.append)
+    assert slept == [3.0, 1.0]
+    with httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(200))) as client, pytest.raises(DeliveryError, match="not JSON"):
+        deliver(client, "http://receiver/", {"value": float("inf")})
