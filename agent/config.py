@@ -225,6 +225,23 @@ class AgentConfig:
         )
 
 
+def read_yaml(path: Path, what: str, error: type[ValueError]) -> object:
+    """The parsed YAML document at ``path``.
+
+    Raises:
+        ``error``: the file cannot be read (``cannot read {what}``) or is not valid YAML; the
+            message starts with the path.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: invalid YAML: {exc}") from None
+
+
 def load_config(path: str | Path) -> AgentConfig:
     """Read an :class:`AgentConfig` from a YAML file (a flat mapping of field names).
 
@@ -233,14 +250,7 @@ def load_config(path: str | Path) -> AgentConfig:
     or a value the config rejects.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    raw = read_yaml(path, "config file", ConfigError)
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):

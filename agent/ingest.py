@@ -119,6 +119,12 @@ TABLE_SPECS: dict[type[Event], _TableSpec] = {cls: _spec(cls) for cls in (CacheL
 """Event class → its table. Keys of :func:`build_tables`'s result are the ``table`` names."""
 
 
+RECOVERING_OUTCOMES = ("recovered", "replayed")
+"""Lookup outcomes that recovered state (a swap-in, a rebuild, Tail-Replay): the ones the
+recovery-latency histograms and buckets count."""
+RECOVERING_SQL = "outcome IN (" + ", ".join(f"'{o}'" for o in RECOVERING_OUTCOMES) + ")"
+"""The SQL condition for :data:`RECOVERING_OUTCOMES` (constants, not user input)."""
+
 RECOVERY_BUCKETS = RECOVERY_BUCKETS_V3
 """Upper bounds (seconds) of the recovery-latency histogram: ``cache_minute``'s cumulative
 ``recovery_le_*`` columns and the ``kvscope_recovery_seconds`` Prometheus histogram."""
@@ -135,7 +141,6 @@ class PreparedBatch:
 
     engine_id: str
     seq: int
-    sent_at: float
     events: int
     events_by_kind: dict[str, int]
     tables: dict[str, pa.Table]
@@ -212,7 +217,6 @@ def prepare_batch(batch: EventBatch) -> PreparedBatch:
     return PreparedBatch(
         engine_id=batch.engine_id,
         seq=batch.seq,
-        sent_at=batch.sent_at,
         events=len(batch.events),
         events_by_kind=by_kind,
         tables=build_tables(batch),
@@ -237,13 +241,6 @@ class SeqRanges:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._count = 0
-
-    def copy(self) -> SeqRanges:
-        other = SeqRanges()
-        other._starts = self._starts.copy()
-        other._ends = self._ends.copy()
-        other._count = self._count
-        return other
 
     @property
     def max(self) -> int:
@@ -527,7 +524,7 @@ def _insert(cur: duckdb.DuckDBPyConnection, table_name: str, columns: str, table
 
 
 _BUCKET_SELECT = ", ".join(
-    f"count(*) FILTER (WHERE outcome IN ('recovered', 'replayed') AND recovery_seconds <= {bound!r})"
+    f"count(*) FILTER (WHERE {RECOVERING_SQL} AND recovery_seconds <= {bound!r})"
     for bound in RECOVERY_BUCKETS
 )
 _SUMMED = (

@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.ingest import RECOVERY_BUCKETS, IngestOutcome
+from agent.ingest import RECOVERING_OUTCOMES, RECOVERY_BUCKETS, IngestOutcome
 from engine.events import Outcome
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -57,7 +57,6 @@ REJECT_REASONS = (
     "decode_error",
 )
 """Label values of ``kvscope_ingest_rejected_batches_total``."""
-RECOVERING_OUTCOMES = (Outcome.RECOVERED.value, Outcome.REPLAYED.value)
 
 
 class BulkHistogram(Collector):

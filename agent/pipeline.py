@@ -67,7 +67,6 @@ class IngestorClosed(Exception):
 class _Item:
     batch: PreparedBatch
     future: Future[IngestOutcome]
-    received: float
 
 
 def _settle(
@@ -159,7 +158,7 @@ class Ingestor:
                         f"events queued); retry later"
                     )
                 self._cond.wait(remaining)
-            self._queue.append(_Item(batch, future, time.time()))
+            self._queue.append(_Item(batch, future))
             self._queued_events += batch.events
             self._cond.notify_all()
         return future

@@ -32,7 +32,7 @@ from datetime import datetime
 import pyarrow as pa
 
 from agent import queries, sql
-from agent.ingest import RECOVERY_BUCKETS
+from agent.ingest import RECOVERING_SQL, RECOVERY_BUCKETS
 from agent.migrations import bucket_column
 from agent.store import Store, to_timestamp
 from alerts.rule_eval import (
@@ -172,9 +172,9 @@ def _latency(store: Store, start: float, end: float) -> dict[tuple[tuple[str, st
         rows = cur.execute(
             f"""
             SELECT engine_id, form, tier, {buckets},
-                   (sum(lookups) FILTER (WHERE outcome IN ('recovered', 'replayed')))::BIGINT
+                   (sum(lookups) FILTER (WHERE {RECOVERING_SQL}))::BIGINT
             FROM cache_minute WHERE minute >= $start AND minute < $end
-            GROUP BY ALL HAVING sum(lookups) FILTER (WHERE outcome IN ('recovered', 'replayed')) > 0
+            GROUP BY ALL HAVING sum(lookups) FILTER (WHERE {RECOVERING_SQL}) > 0
             """,
             {"start": first_minute, "end": end_minute},
         ).fetchall()

@@ -93,7 +93,7 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
                 f"\nand (1 - ({_ratio(short)})) > {limit:g}"
                 f"\nand ({_volume(short, s.min_prompt_tokens)})"
             )
-            out.append(({"window": f"{_short(w.long)}/{_short(w.short)}", "severity": w.severity}, expr))
+            out.append(({"window": w.label, "severity": w.severity}, expr))
         return out
     if isinstance(s, InvalidationSpike):
         window, base = duration(s.window), duration(s.baseline_window)
@@ -128,18 +128,6 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
     return []
 
 
-def _short(seconds: float) -> str:
-    for unit, size in (("d", DAY), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
-
-
-def _annotation(template: str) -> str:
-    """Our templates are Prometheus's (``{{ $labels.x }}``, ``{{ $value | humanize }}``)."""
-    return template
-
-
 def export_prometheus(rules: RuleFile) -> str:
     """The Prometheus rule file (YAML text) equivalent to ``rules``' built-in rules."""
     skipped = [rule.alert for rule in rules.rules if rule.expr is not None]
@@ -155,7 +143,7 @@ def export_prometheus(rules: RuleFile) -> str:
                     entry["keep_firing_for"] = duration(rule.keep_firing_for_seconds)
                 entry["labels"] = {**rule.labels, **extra}
                 if rule.annotations:
-                    entry["annotations"] = {k: _annotation(v) for k, v in rule.annotations.items()}
+                    entry["annotations"] = dict(rule.annotations)  # our templates are Prometheus's
                 exported.append(entry)
         if exported:
             body: dict[str, object] = {"name": group.name}

@@ -224,7 +224,7 @@ def burn_verdicts(s: HitRateBelow, x: BurnInput | None) -> list[tuple[dict[str, 
     budget = 1.0 - s.objective
     out: list[tuple[dict[str, str], Verdict]] = []
     for i, window in enumerate(s.windows):
-        labels = {"window": f"{_short_duration(window.long)}/{_short_duration(window.short)}", "severity": window.severity}
+        labels = {"window": window.label, "severity": window.severity}
         if x is None:
             out.append((labels, Verdict(None, None)))
             continue
@@ -235,13 +235,6 @@ def burn_verdicts(s: HitRateBelow, x: BurnInput | None) -> list[tuple[dict[str, 
         long_rate, short_rate = long.error_ratio() / budget, short.error_ratio() / budget
         out.append((labels, Verdict(long_rate > window.burn_rate and short_rate > window.burn_rate, short_rate)))
     return out
-
-
-def _short_duration(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
 
 
 def _spike(s: InvalidationSpike, x: ShareInput) -> Verdict:

@@ -48,6 +48,7 @@ from alerts.rule_eval import (
     fingerprint,
 )
 from alerts.rulefile import HitRateBelow, RuleFile, RuleGroup
+from alerts.scheduler import alert_row, append_jsonl, insert_alert_rows
 
 log = logging.getLogger(__name__)
 
@@ -67,20 +68,6 @@ _STATE_SCHEMA = pa.schema(
         ("updated_at", pa.timestamp("us")),
     ]
 )
-_ALERT_SCHEMA = pa.schema(
-    [
-        ("ts", pa.timestamp("us")),
-        ("alert", pa.string()),
-        ("fingerprint", pa.string()),
-        ("state", pa.string()),
-        ("value", pa.float64()),
-        ("labels", pa.string()),
-        ("summary", pa.string()),
-        ("description", pa.string()),
-    ]
-)
-
-
 def load_rule_state(store: Store) -> dict[str, AlertState]:
     """Every alert's state from ``alert_state``."""
     with store.cursor() as cur:
@@ -134,22 +121,13 @@ def save(store: Store, before: dict[str, AlertState], after: dict[str, AlertStat
         ],
         schema=_STATE_SCHEMA,
     )
-    alerts = pa.Table.from_pylist(
-        [
-            {
-                "ts": to_timestamp(n.at),
-                "alert": n.alert,
-                "fingerprint": n.fingerprint,
-                "state": n.status.value,
-                "value": n.value,
-                "labels": json.dumps(dict(n.labels), sort_keys=True),
-                "summary": n.annotations.get("summary", ""),
-                "description": n.annotations.get("description", ""),
-            }
-            for n in notes
-        ],
-        schema=_ALERT_SCHEMA,
-    )
+    alerts = [
+        alert_row(
+            at=n.at, alert=n.alert, fingerprint=n.fingerprint, state=n.status.value, value=n.value, labels=n.labels,
+            summary=n.annotations.get("summary", ""), description=n.annotations.get("description", ""),
+        )
+        for n in notes
+    ]
     with store.transaction() as cur:
         if dropped or changed:
             doomed = dropped + [st.fingerprint for st in changed]
@@ -157,20 +135,15 @@ def save(store: Store, before: dict[str, AlertState], after: dict[str, AlertStat
         if changed:
             with registered(cur, "_alert_state", states):
                 cur.execute(f"INSERT INTO alert_state SELECT {', '.join(_STATE_SCHEMA.names)} FROM _alert_state")
-        if notes:
-            columns = ", ".join(_ALERT_SCHEMA.names)
-            with registered(cur, "_alert_notes", alerts):
-                cur.execute(f"INSERT INTO alerts ({columns}) SELECT {columns} FROM _alert_notes")
+        insert_alert_rows(cur, alerts)
 
 
 def append_log(path: Path, notes: Sequence[Notification]) -> None:
-    """The log receiver: one JSON object per notification and line."""
-    if not notes:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as out:
-        for n in notes:
-            line = {
+    """The log receiver: one JSON line per notification."""
+    append_jsonl(
+        path,
+        [
+            {
                 "at": n.at,
                 "alert": n.alert,
                 "fingerprint": n.fingerprint,
@@ -179,7 +152,9 @@ def append_log(path: Path, notes: Sequence[Notification]) -> None:
                 "value": n.value,
                 "annotations": dict(n.annotations),
             }
-            out.write(json.dumps(line, sort_keys=True) + "\n")
+            for n in notes
+        ],
+    )
 
 
 class RuleScheduler:

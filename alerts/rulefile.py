@@ -47,9 +47,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from agent import queries, sql
+from agent.config import read_yaml
 from agent.ingest import RECOVERY_BUCKETS
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.yaml")
@@ -256,6 +255,11 @@ class BurnWindow:
     burn_rate: float
     severity: str
 
+    @property
+    def label(self) -> str:
+        """The ``window`` label of its alerts: ``1h/5m``."""
+        return f"{_compact(self.long)}/{_compact(self.short)}"
+
     def __post_init__(self) -> None:
         if not 0 < self.short < self.long:
             raise ValueError(f"need 0 < short < long, got short {self.short} s, long {self.long} s")
@@ -263,6 +267,13 @@ class BurnWindow:
             raise ValueError(f"burn_rate must be a finite number > 0, got {self.burn_rate}")
         if self.severity not in SEVERITIES:
             raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, got {self.severity!r}")
+
+
+def _compact(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
 
 
 DEFAULT_BURN_WINDOWS = (
@@ -433,15 +444,7 @@ def load_rule_file(path: str | Path) -> RuleFile:
             message names the file, group, rule and field).
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise RuleFileError(f"{path}: cannot read rule file: {exc.strerror or exc}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise RuleFileError(f"{path}: invalid YAML: {exc}") from None
-    return parse_rule_file(raw, source=str(path))
+    return parse_rule_file(read_yaml(path, "rule file", RuleFileError), source=str(path))
 
 
 def parse_rule_file(raw: object, *, source: str = "<rules>") -> RuleFile:

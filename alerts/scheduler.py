@@ -22,16 +22,18 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
+from agent.ingest import registered
 from agent.metrics import AgentMetrics
 from agent.store import Store, to_timestamp
 from alerts.evaluator import (
@@ -96,7 +98,7 @@ def load_state(store: Store, alerts: Sequence[str] | None = None) -> dict[str, A
     }
 
 
-_ALERT_COLUMNS = pa.schema(
+ALERT_COLUMNS = pa.schema(
     [
         ("ts", pa.timestamp("us")),
         ("alert", pa.string()),
@@ -108,45 +110,64 @@ _ALERT_COLUMNS = pa.schema(
         ("description", pa.string()),
     ]
 )
+"""The columns of the ``alerts`` table (one row per transition), shared by both schedulers."""
+
+
+def alert_row(
+    *, at: float, alert: str, fingerprint: str, state: str, value: float | None,
+    labels: Mapping[str, str], summary: str, description: str,
+) -> dict[str, object]:  # fmt: skip
+    """One ``alerts`` row: a transition at ``at`` (unix seconds)."""
+    return {
+        "ts": to_timestamp(at),
+        "alert": alert,
+        "fingerprint": fingerprint,
+        "state": state,
+        "value": value,
+        "labels": json.dumps(dict(labels), sort_keys=True),
+        "summary": summary,
+        "description": description,
+    }
+
+
+def insert_alert_rows(cur: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, object]]) -> None:
+    """Insert ``alerts`` rows (from :func:`alert_row`) with one statement, inside the caller's
+    transaction."""
+    if not rows:
+        return
+    columns = ", ".join(ALERT_COLUMNS.names)
+    with registered(cur, "_new_alerts", pa.Table.from_pylist(list(rows), schema=ALERT_COLUMNS)):
+        cur.execute(f"INSERT INTO alerts ({columns}) SELECT {columns} FROM _new_alerts")
 
 
 def persist(store: Store, notifications: Sequence[Notification]) -> None:
     """Insert the transitions into the ``alerts`` table in one transaction."""
     if not notifications:
         return
-    table = pa.Table.from_pylist(
-        [
-            {
-                "ts": to_timestamp(n.at),
-                "alert": n.alert,
-                "fingerprint": n.fingerprint,
-                "state": n.status.value,
-                "value": n.value,
-                "labels": json.dumps(dict(n.labels), sort_keys=True),
-                "summary": n.summary,
-                "description": n.description,
-            }
-            for n in notifications
-        ],
-        schema=_ALERT_COLUMNS,
-    )
+    rows = [
+        alert_row(
+            at=n.at, alert=n.alert, fingerprint=n.fingerprint, state=n.status.value, value=n.value,
+            labels=n.labels, summary=n.summary, description=n.description,
+        )
+        for n in notifications
+    ]
     with store.transaction() as cur:
-        cur.register("_new_alerts", table)
-        try:
-            columns = ", ".join(_ALERT_COLUMNS.names)
-            cur.execute(f"INSERT INTO alerts ({columns}) SELECT {columns} FROM _new_alerts")
-        finally:
-            cur.unregister("_new_alerts")
+        insert_alert_rows(cur, rows)
 
 
-def append_log(path: Path, notifications: Sequence[Notification]) -> None:
-    """The log receiver: one JSON object per notification and line, appended to ``path``."""
-    if not notifications:
+def append_jsonl(path: Path, lines: Sequence[Mapping[str, object]]) -> None:
+    """The log receiver: one JSON object per line, appended to ``path``."""
+    if not lines:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as out:
-        for n in notifications:
-            out.write(json.dumps(n.to_json(), sort_keys=True) + "\n")
+        for line in lines:
+            out.write(json.dumps(line, sort_keys=True) + "\n")
+
+
+def append_log(path: Path, notifications: Sequence[Notification]) -> None:
+    """The log receiver for the built-in rule's notifications."""
+    append_jsonl(path, [n.to_json() for n in notifications])
 
 
 class AlertScheduler:
