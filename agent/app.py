@@ -14,6 +14,12 @@ Endpoints:
   limit. ``limit`` is capped by ``sql_row_limit``.
 * ``GET /v1/query/{name}`` — a named query (:mod:`agent.queries`), parameters in the query
   string plus ``format``. 404 unknown query, 400 bad parameter.
+* ``GET /v1/silences`` — every silence not expired more than a day ago, with its ``state``
+  (pending, active, expired); ``POST /v1/silences`` — ``{"matchers": ["engine=\"e1\""],
+  "ends_at": unix s | "duration": "2h", "starts_at": unix s?, "created_by": str, "comment": str}``
+  creates one (200 with it, 400 for a bad matcher or bad times); ``DELETE /v1/silences/{id}``
+  expires one (404 unknown id). Silences mute matching alerts in the agent's routing
+  (:mod:`alerts.notifier`), as Alertmanager's do.
 * ``GET /metrics`` — Prometheus text exposition of the agent's own registry.
 * ``GET /healthz`` — 200 while the process runs (never needs the token).
 * ``GET /readyz`` — 200 once the store is open and migrated, else 503.
@@ -30,7 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import os
+import time
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
@@ -54,6 +62,8 @@ from agent.ingest import record_rejected
 from agent.metrics import AgentMetrics
 from agent.pipeline import FullPolicy, Ingestor, IngestorClosed, QueueFull, StoreWriteError
 from agent.store import Store, StoreClosedError, utc_now
+from alerts import alert_store
+from alerts.rulefile import parse_duration
 from engine.events import ContentFormat
 
 EVENT_MEDIA_TYPES: dict[str, ContentFormat] = {
@@ -109,6 +119,21 @@ class SqlRequest(msgspec.Struct, forbid_unknown_fields=True):
     sql: str
     format: Literal["json", "csv", "arrow"] = "json"
     limit: int | None = None
+
+
+class SilenceRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of ``POST /v1/silences``."""
+
+    matchers: list[str]
+    created_by: str
+    comment: str
+    ends_at: float | None = None
+    duration: str | None = None
+    starts_at: float | None = None
+
+
+SILENCE_LIST_GRACE_SECONDS = 86_400.0
+"""``GET /v1/silences`` lists silences that ended at most this long ago."""
 
 
 def create_app(
@@ -327,6 +352,63 @@ def create_app(
         except sql.SqlError as exc:
             raise _ApiError(exc.status, exc.reason) from None
         return _result_response(result, fmt)
+
+    @app.get("/v1/silences")
+    async def list_silences() -> JSONResponse:
+        target = current_store()
+        now = time.time()
+        found = await run_in_threadpool(lambda: alert_store.load_silences(target, ended_after=now - SILENCE_LIST_GRACE_SECONDS))
+        return JSONResponse({"silences": [alert_store.silence_json(s, now) for s in found]})
+
+    @app.post("/v1/silences")
+    async def create_silence(request: Request) -> JSONResponse:
+        body = await _read_body(request, config.max_body_bytes)
+        try:
+            req = msgspec.json.decode(body, type=SilenceRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _ApiError(400, f"invalid request body: {exc}") from None
+        now = time.time()
+        starts = req.starts_at if req.starts_at is not None else now
+        if (req.ends_at is None) == (req.duration is None):
+            raise _ApiError(400, "give exactly one of ends_at (unix seconds) and duration (such as 2h)")
+        if req.duration is not None:
+            try:
+                ends = starts + parse_duration(req.duration)
+            except ValueError as exc:
+                raise _ApiError(400, f"duration: {exc}") from None
+        else:
+            assert req.ends_at is not None
+            ends = req.ends_at
+        if not (math.isfinite(starts) and math.isfinite(ends)):
+            raise _ApiError(400, "starts_at and ends_at must be finite unix seconds")
+        if not req.created_by.strip() or not req.comment.strip():
+            raise _ApiError(400, "created_by and comment must not be empty (who silenced what, and why)")
+        target = current_store()
+        try:
+            silence = await run_in_threadpool(
+                lambda: alert_store.create_silence(
+                    target,
+                    matchers=req.matchers,
+                    starts_at=starts,
+                    ends_at=ends,
+                    created_by=req.created_by,
+                    comment=req.comment,
+                    now=now,
+                )
+            )
+        except alert_store.SilenceError as exc:
+            raise _ApiError(400, str(exc)) from None
+        return JSONResponse({"silence": alert_store.silence_json(silence, now)})
+
+    @app.delete("/v1/silences/{silence_id}")
+    async def expire_silence(silence_id: str) -> JSONResponse:
+        target = current_store()
+        now = time.time()
+        try:
+            silence = await run_in_threadpool(lambda: alert_store.expire_silence(target, silence_id, now=now))
+        except alert_store.SilenceError as exc:
+            raise _ApiError(404, str(exc)) from None
+        return JSONResponse({"silence": alert_store.silence_json(silence, now)})
 
     return app
 

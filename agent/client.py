@@ -95,6 +95,42 @@ class AgentClient:
             raise AgentError(f"HTTP {response.status_code}: {_reason(response)}")
         return response
 
+    def silences(self) -> list[dict[str, Any]]:
+        """``GET /v1/silences``.
+
+        Raises:
+            AgentError: unreachable or refused.
+        """
+        return list(self._json("GET", "/v1/silences")["silences"])
+
+    def create_silence(self, **body: object) -> dict[str, Any]:
+        """``POST /v1/silences`` with ``body`` (see :mod:`agent.app`); returns the silence.
+
+        Raises:
+            AgentError: unreachable, or refused (a bad matcher or bad times: the reason included).
+        """
+        return dict(self._json("POST", "/v1/silences", json=body)["silence"])
+
+    def expire_silence(self, silence_id: str) -> dict[str, Any]:
+        """``DELETE /v1/silences/{id}``; returns the silence.
+
+        Raises:
+            AgentError: unreachable, or no such silence.
+        """
+        return dict(self._json("DELETE", f"/v1/silences/{silence_id}")["silence"])
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        response = self._request(method, path, **kwargs)
+        if response.status_code != 200:
+            raise AgentError(f"agent at {self.base_url}: HTTP {response.status_code}: {_reason(response)}")
+        try:
+            doc = response.json()
+        except ValueError:
+            raise AgentError(f"agent at {self.base_url} sent an answer that is not JSON") from None
+        if not isinstance(doc, dict):
+            raise AgentError(f"agent at {self.base_url} sent an unexpected answer")
+        return doc
+
     def ready(self) -> bool:
         """Whether the agent answers ``/readyz`` with 200 (never raises)."""
         try:

@@ -8,7 +8,8 @@ A YAML file holds a flat mapping whose keys are the field names of :class:`Agent
     token: s3cret            # or set KVSCOPE_TOKEN in the environment
     sql_row_limit: 10000
     sql_timeout_seconds: 10
-    alert_threshold: 0.5     # RecoverableHitRateLow fires below this windowed ratio
+    alert_rules_file: /etc/kvscope/rules.yaml      # default: the shipped alerts/default_rules.yaml
+    alert_notify_file: /etc/kvscope/notify.yaml    # default: the shipped alerts/default_notify.yaml
     ingest_queue_max_events: 200000   # the ingest buffer ...
     ingest_full_policy: reject        # ... and what happens when it is full (reject | block)
     raw_retention_hours: 168          # raw event rows kept a week (null: forever)
@@ -32,7 +33,6 @@ from pathlib import Path
 import yaml
 
 from agent.pipeline import FULL_POLICIES
-from alerts.rules import RecoverableHitRateRule
 
 MiB = 1024 * 1024
 
@@ -54,6 +54,14 @@ UPPER_BOUNDS: dict[str, float] = {
 a date computation."""
 
 
+REMOVED_KEYS = {
+    name: "the built-in RecoverableHitRateLow rule was replaced by rule files; set thresholds, windows "
+    "and minimum volumes in alert_rules_file (see alerts/default_rules.yaml)"
+    for name in ("alert_threshold", "alert_window_seconds", "alert_min_prompt_tokens")
+}
+"""Keys older configs may hold, with what replaced them."""
+
+
 class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the file and the key."""
 
@@ -64,24 +72,26 @@ class AgentConfig:
 
     Attributes:
         host, port: where the HTTP API listens.
-        data_dir: folder holding the DuckDB file (``kvscope.duckdb``) and the alert log
-            (``alerts.log``); created on start.
+        data_dir: folder holding the DuckDB file (``kvscope.duckdb``), the alert transition log
+            (``alerts.log``) and the default log receiver's ``notifications.jsonl``; created on
+            start.
         token: bearer token required on every route but ``/healthz``; ``None`` falls back to the
             ``KVSCOPE_TOKEN`` environment variable, and to no authentication when that is unset.
         sql_row_limit: most rows one ``/v1/sql`` or ``/v1/query`` answer carries.
         sql_timeout_seconds: a read query running longer is interrupted (HTTP 408).
         max_body_bytes: largest accepted ``POST /v1/events`` body (HTTP 413 above it).
-        alert_threshold: the ``RecoverableHitRateLow`` rule fires when the windowed recoverable
-            hit rate (a ratio in [0, 1]) falls below it.
-        alert_window_seconds: the rule's window.
-        alert_min_prompt_tokens: below this many prompt tokens in the window a series has
-            "no data" (never 0%).
         alert_ingest_lag_seconds: the evaluation runs this many seconds after each minute
-            boundary and ends its window that long before now, so late events are counted.
-        alert_interval_seconds: evaluate every N seconds instead of on minute boundaries
-            (tests and demos); ``None`` keeps the minute schedule.
-        alert_rules_file: a rule file (:mod:`alerts.rulefile`) evaluated by the rule scheduler
-            beside the built-in rule; ``None``: none.
+            boundary and ends its windows that long before now, so late events are counted.
+        alert_interval_seconds: evaluate rule groups without their own ``interval`` every N
+            seconds instead of on minute boundaries (tests and demos); ``None`` keeps the minute
+            schedule.
+        alert_rules_file: the rule file (:mod:`alerts.rulefile`); ``None``: the shipped
+            ``alerts/default_rules.yaml``.
+        alert_notify_file: the notification file (:mod:`alerts.notify_config`: routes,
+            receivers, inhibitions, Alertmanagers); ``None``: the shipped
+            ``alerts/default_notify.yaml`` (a JSONL log receiver).
+        external_url: the agent's URL as receivers should link to it (``externalURL``,
+            ``generatorURL``); ``None``: ``http://{host}:{port}``.
         decode_processes: worker processes that decode and prepare event batches (0: two
             threads in the agent's process instead; see :mod:`agent.decode`).
         ingest_queue_max_events: events the ingest queue holds (decoded, waiting for a flush).
@@ -118,12 +128,11 @@ class AgentConfig:
     sql_row_limit: int = 10_000
     sql_timeout_seconds: float = 10.0
     max_body_bytes: int = 32 * MiB
-    alert_threshold: float = 0.5
-    alert_window_seconds: int = 60
-    alert_min_prompt_tokens: int = 1000
     alert_ingest_lag_seconds: int = 5
     alert_interval_seconds: float | None = None
     alert_rules_file: Path | None = None
+    alert_notify_file: Path | None = None
+    external_url: str | None = None
     decode_processes: int = 2
     ingest_queue_max_events: int = 200_000
     ingest_full_policy: str = "reject"
@@ -196,9 +205,12 @@ class AgentConfig:
             raise ValueError(f"checkpoint_wal_bytes must be >= 1, got {self.checkpoint_wal_bytes}")
         if self.export_dir is not None and not isinstance(self.export_dir, Path):
             object.__setattr__(self, "export_dir", Path(self.export_dir))
-        if self.alert_rules_file is not None and not isinstance(self.alert_rules_file, Path):
-            object.__setattr__(self, "alert_rules_file", Path(self.alert_rules_file))
-        self.alert_rule  # noqa: B018 — validates the alert_* rule settings now, not at first use
+        for name in ("alert_rules_file", "alert_notify_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
+        if self.external_url is not None and not self.external_url.startswith(("http://", "https://")):
+            raise ValueError(f"external_url must be an http(s) URL, got {self.external_url!r}")
 
     @property
     def db_path(self) -> Path:
@@ -216,13 +228,9 @@ class AgentConfig:
         return self.data_dir / "alerts.log"
 
     @property
-    def alert_rule(self) -> RecoverableHitRateRule:
-        """The built-in recoverable-hit-rate rule with this config's settings."""
-        return RecoverableHitRateRule(
-            threshold=self.alert_threshold,
-            window_seconds=self.alert_window_seconds,
-            min_prompt_tokens=self.alert_min_prompt_tokens,
-        )
+    def agent_url(self) -> str:
+        """``external_url``, else ``http://{host}:{port}``."""
+        return self.external_url or f"http://{self.host}:{self.port}"
 
 
 def read_yaml(path: Path, what: str, error: type[ValueError]) -> object:
@@ -267,6 +275,8 @@ def config_from_mapping(raw: Mapping[object, object], *, source: str = "<config>
     known = [f.name for f in dataclasses.fields(AgentConfig)]
     values: dict[str, object] = {}
     for key, value in raw.items():
+        if isinstance(key, str) and key in REMOVED_KEYS:
+            raise ConfigError(f"{source}: key {key!r} was removed: {REMOVED_KEYS[key]}")
         if not isinstance(key, str) or key not in hints:
             raise ConfigError(f"{source}: unknown key {key!r}; known keys: {', '.join(known)}")
         values[key] = _coerce(source, key, value, hints[key])

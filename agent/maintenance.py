@@ -4,7 +4,8 @@ checkpoints and the NVML GPU sampler, on one APScheduler 3.x ``BackgroundSchedul
 Jobs (each ``max_instances=1``, ``coalesce=True``; a failure is logged and counted in
 ``kvscope_maintenance_runs_total{job, status="error"}``, and the next run tries again):
 
-* ``rollup`` every ``rollup_interval_seconds``: :func:`agent.ingest.fold_cache_minute`.
+* ``rollup`` every ``rollup_interval_seconds``: :func:`agent.ingest.fold_cache_minute`, then the
+  ``kvscope_recoverable_hit_ratio`` gauge from the last minute (:func:`recent_hit_ratios`).
 * ``export`` every hour, ``export_lag_seconds`` after the hour (or every
   ``maintenance_interval_seconds``): :func:`export_parquet` writes the rows of finished hours
   stored since their last export (a late event adds a part, never rewrites one), then — only if
@@ -252,6 +253,27 @@ def apply_retention(
     return deleted
 
 
+HIT_RATIO_WINDOW_SECONDS = 60.0
+HIT_RATIO_LAG_SECONDS = 5.0
+
+
+def recent_hit_ratios(store: Store, *, now: float) -> dict[tuple[str, str], float]:
+    """Per (engine, model): Σ recoverable / Σ prompt tokens of the requests with ``ts`` in the
+    minute ending :data:`HIT_RATIO_LAG_SECONDS` before ``now`` (late events allowed for); a
+    series without prompt tokens there is left out (no data, not 0)."""
+    end = now - HIT_RATIO_LAG_SECONDS
+    with store.cursor() as cur:
+        rows = cur.execute(
+            """
+            SELECT engine_id, model, sum(recoverable_tokens)::DOUBLE / sum(prompt_tokens)
+            FROM requests WHERE ts >= $start AND ts < $end
+            GROUP BY ALL HAVING sum(prompt_tokens) > 0
+            """,
+            {"start": to_timestamp(end - HIT_RATIO_WINDOW_SECONDS), "end": to_timestamp(end)},
+        ).fetchall()
+    return {(engine, model): float(ratio) for engine, model, ratio in rows}
+
+
 class MaintenanceScheduler:
     """Runs the jobs of the module docstring for one agent.
 
@@ -280,12 +302,15 @@ class MaintenanceScheduler:
             ("job", "status"),
             registry=metrics.registry,
         )
+        self.metrics = metrics
         self.gpu = gpu if gpu is not None else GpuSampler(store, metrics.registry)
         self._scheduler: BackgroundScheduler | None = None
 
     # -- the jobs (callable directly) ---------------------------------------------------------------
     def rollup(self) -> int:
-        return fold_cache_minute(self.store)
+        folded = fold_cache_minute(self.store)
+        self.metrics.set_recoverable_hit_ratios(recent_hit_ratios(self.store, now=self.clock()))
+        return folded
 
     def export_and_retain(self) -> tuple[list[ExportedPart], dict[str, int]]:
         """Export (when enabled), then apply retention (deleting only exported, folded rows);

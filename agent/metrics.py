@@ -344,8 +344,8 @@ class AgentMetrics:
         )
         self.recoverable_hit_ratio = Gauge(
             "kvscope_recoverable_hit_ratio",
-            "Recoverable hit rate over the last minute (ratio of token sums), set by the minute "
-            "alert job; absent for a series without prompt tokens in that minute.",
+            "Recoverable hit rate over the last minute (ratio of token sums), set by the "
+            "rollup job; absent for a series without prompt tokens in that minute.",
             request_labels,
             registry=r,
         )

@@ -235,6 +235,36 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        version=5,
+        name="alert notifications: delivery rows in alerts, the notification log, silences",
+        statements=(
+            "ALTER TABLE alerts ADD COLUMN event VARCHAR DEFAULT 'transition'",
+            "ALTER TABLE alerts ADD COLUMN receiver VARCHAR",
+            "ALTER TABLE alerts ADD COLUMN error VARCHAR",
+            """
+            CREATE TABLE alert_groups (
+                group_key VARCHAR PRIMARY KEY,
+                created_at DOUBLE NOT NULL,
+                last_sent_at DOUBLE,
+                last_firing VARCHAR NOT NULL,
+                updated_at TIMESTAMP NOT NULL
+            )
+            """,
+            """
+            CREATE TABLE alert_silences (
+                id VARCHAR PRIMARY KEY,
+                matchers VARCHAR NOT NULL,
+                starts_at DOUBLE NOT NULL,
+                ends_at DOUBLE NOT NULL,
+                created_by VARCHAR NOT NULL,
+                comment VARCHAR NOT NULL,
+                created_at TIMESTAMP NOT NULL,
+                updated_at TIMESTAMP NOT NULL
+            )
+            """,
+        ),
+    ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""
 

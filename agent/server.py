@@ -1,7 +1,8 @@
 """Run the agent: what ``kvscope agent`` calls.
 
-:func:`serve` opens the store, builds the app (its decode workers started), starts the alert and
-maintenance schedulers (:mod:`agent.maintenance`) and runs uvicorn until SIGINT or SIGTERM; then
+:func:`serve` opens the store, builds the app (its decode workers started), starts the rule
+scheduler (:mod:`alerts.rule_scheduler`, the agent's only alert scheduler) and the maintenance
+scheduler (:mod:`agent.maintenance`) and runs uvicorn until SIGINT or SIGTERM; then
 uvicorn drains in-flight requests and the app's ingest queue is flushed, the schedulers stop
 (the rollup runs once more), and the store is checkpointed and closed — in that order, so no
 write is lost. It returns normally after a
@@ -24,9 +25,10 @@ from agent.config import AgentConfig
 from agent.maintenance import MaintenanceScheduler
 from agent.metrics import AgentMetrics
 from agent.store import Store
+from alerts.notifier import Notifier
+from alerts.notify_config import DEFAULT_NOTIFY_PATH, load_notify_config
 from alerts.rule_scheduler import RuleScheduler
-from alerts.rulefile import load_rule_file
-from alerts.scheduler import AlertScheduler
+from alerts.rulefile import DEFAULT_RULES_PATH, load_rule_file
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +40,14 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
         duckdb.Error: the store cannot be opened (for example another agent holds the file).
         OSError: the port cannot be bound.
         alerts.rulefile.RuleFileError: ``config.alert_rules_file`` cannot be used.
+        alerts.notify_config.NotifyConfigError: ``config.alert_notify_file`` cannot be used.
     """
+    rules = load_rule_file(config.alert_rules_file or DEFAULT_RULES_PATH)
+    notify = load_notify_config(config.alert_notify_file or DEFAULT_NOTIFY_PATH, data_dir=config.data_dir)
     config.data_dir.mkdir(parents=True, exist_ok=True)
     store = Store.open(config.db_path, wal_autocheckpoint_bytes=config.checkpoint_wal_bytes)
     try:
         metrics = AgentMetrics()
-        scheduler = AlertScheduler(
-            store=store,
-            rules=(config.alert_rule,),
-            log_path=config.alert_log_path,
-            metrics=metrics,
-            ingest_lag_seconds=config.alert_ingest_lag_seconds,
-            interval_seconds=config.alert_interval_seconds,
-        )
         app = create_app(config, store, metrics=metrics)
         app.state.decoder.warm_up()
         server = uvicorn.Server(
@@ -63,28 +60,24 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
             )
         )
         maintenance = MaintenanceScheduler(store, config, metrics)
-        rule_scheduler = None
-        if config.alert_rules_file is not None:
-            rule_scheduler = RuleScheduler(
-                store=store,
-                rules=load_rule_file(config.alert_rules_file),
-                log_path=config.alert_log_path,
-                registry=metrics.registry,
-                lag_seconds=config.alert_ingest_lag_seconds,
-                row_limit=config.sql_row_limit,
-                timeout_seconds=config.sql_timeout_seconds,
-            )
-        scheduler.start()
+        rule_scheduler = RuleScheduler(
+            store=store,
+            rules=rules,
+            log_path=config.alert_log_path,
+            registry=metrics.registry,
+            notifier=Notifier(store=store, config=notify, registry=metrics.registry, external_url=config.agent_url),
+            lag_seconds=config.alert_ingest_lag_seconds,
+            interval_seconds=config.alert_interval_seconds,
+            row_limit=config.sql_row_limit,
+            timeout_seconds=config.sql_timeout_seconds,
+        )
         maintenance.start()
         try:
-            if rule_scheduler is not None:
-                rule_scheduler.start()
+            rule_scheduler.start()
             with _signals_end_quietly():
                 server.run()
         finally:
-            if rule_scheduler is not None:
-                rule_scheduler.shutdown()
-            scheduler.shutdown()
+            rule_scheduler.shutdown()
             maintenance.shutdown()
             # normally done by the app's shutdown; not when the server never ran
             app.state.ingestor.close()

@@ -1,6 +1,12 @@
-"""kvscope alerts (DESIGN.md §7).
+"""kvscope alerts (DESIGN.md §7, issue 7).
 
-* :mod:`alerts.rules` — the rule model (the built-in :class:`~alerts.rules.RecoverableHitRateRule`);
-* :mod:`alerts.evaluator` — the pure evaluator ``evaluate(rules, data, now, previous_state)``;
-* :mod:`alerts.scheduler` — the minute job: query the agent's store, evaluate, persist, notify.
+* :mod:`alerts.rulefile` — rule files (Prometheus-shaped YAML, built-in kinds), loaded strictly;
+* :mod:`alerts.inputs` — each rule's windowed inputs, queried from the agent's store;
+* :mod:`alerts.rule_eval` — the pure evaluator ``evaluate(rules, data, now, previous_state)``;
+* :mod:`alerts.rule_scheduler` — runs the rule groups on their schedules (APScheduler);
+* :mod:`alerts.notify_config`, :mod:`alerts.routing`, :mod:`alerts.receivers`,
+  :mod:`alerts.notifier` — Alertmanager-shaped routing and delivery;
+* :mod:`alerts.alert_store` — what alerting keeps in DuckDB (state, notification log, silences);
+* :mod:`alerts.golden` — ``kvscope alerts test``: rules over a golden time series;
+* :mod:`alerts.prometheus_export` — the rules as Prometheus alerting rules.
 """

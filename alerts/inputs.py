@@ -52,7 +52,7 @@ from alerts.rulefile import (
     NamedQueryExpr,
     RecoveryLatencyHigh,
     Rule,
-    Silence,
+    SilentFor,
 )
 
 DAY = 86_400.0
@@ -108,7 +108,7 @@ def collect_inputs(
             data[rule.alert] = _shares(store, end - settings.window, end, settings.baseline_window)
         elif isinstance(settings, RecoveryLatencyHigh):
             data[rule.alert] = _latency(store, end - settings.window, end)
-        elif isinstance(settings, Silence):
+        elif isinstance(settings, SilentFor):
             data[rule.alert] = _silence(store, now, settings.lookback, per_engine=rule.kind == "engine_silent")
         else:  # pragma: no cover - the loader admits nothing else
             raise AssertionError(f"rule {rule.alert}: nothing to collect for kind {rule.kind}")

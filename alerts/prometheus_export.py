@@ -33,7 +33,7 @@ from alerts.rulefile import (
     RecoveryLatencyHigh,
     Rule,
     RuleFile,
-    Silence,
+    SilentFor,
 )
 
 DAY = 86_400
@@ -92,6 +92,7 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
                 f"(1 - ({_ratio(long)})) > {limit:g}"
                 f"\nand (1 - ({_ratio(short)})) > {limit:g}"
                 f"\nand ({_volume(short, s.min_prompt_tokens)})"
+                f"\nand ({_volume(duration(w.long - w.short), s.min_prompt_tokens, short)})"
             )
             out.append(({"window": w.label, "severity": w.severity}, expr))
         return out
@@ -120,7 +121,7 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
             f" (increase(kvscope_recovery_seconds_count[{window}])) >= {s.min_recoveries}"
         )
         return [({}, expr)]
-    if isinstance(s, Silence):
+    if isinstance(s, SilentFor):
         window = duration(s.silent_for)
         if rule.kind == "ingest_stalled":
             return [({}, f'sum(increase(kvscope_ingest_batches_total{{status="stored"}}[{window}])) == 0')]

@@ -41,17 +41,24 @@ def rfc3339(unix_seconds: float) -> str:
 
 
 def alertmanager_alerts(
-    alerts: Sequence[Alert], *, now: float, starts_at: Mapping[str, float], lease_seconds: float, generator_url: str
+    alerts: Sequence[Alert],
+    *,
+    now: float,
+    starts_at: Mapping[str, float],
+    lease_seconds: float,
+    generator_url: str,
+    ends_at: Mapping[str, float] | None = None,
 ) -> list[dict[str, object]]:
     """The body of ``POST /api/v2/alerts``: firing alerts leased until ``now + lease_seconds``,
-    resolved ones ended at ``now``. ``starts_at`` maps fingerprints to when they started firing
-    (default ``now``)."""
+    resolved ones ended when they resolved (``ends_at``, default ``now``). ``starts_at`` maps
+    fingerprints to when they became active (default ``now``)."""
+    ended = ends_at or {}
     return [
         {
             "labels": dict(alert.labels),
             "annotations": dict(alert.annotations),
             "startsAt": rfc3339(starts_at.get(alert.fingerprint, now)),
-            "endsAt": rfc3339(now + lease_seconds if alert.firing else now),
+            "endsAt": rfc3339(now + lease_seconds if alert.firing else ended.get(alert.fingerprint, now)),
             "generatorURL": generator_url,
         }
         for alert in alerts
@@ -65,18 +72,23 @@ def _common(maps: Sequence[Mapping[str, str]]) -> dict[str, str]:
     return {k: v for k, v in first.items() if all(other.get(k) == v for other in maps[1:])}
 
 
-def webhook_payload(d: Dispatch, *, now: float, external_url: str, starts_at: Mapping[str, float]) -> dict[str, object]:
-    """Alertmanager's webhook payload (version 4) for one group notification."""
-    alerts = [*d.firing, *d.resolved]
+def webhook_payload(
+    d: Dispatch, *, now: float, external_url: str, starts_at: Mapping[str, float], max_alerts: int = 0
+) -> dict[str, object]:
+    """Alertmanager's webhook payload (version 4) for one group notification; with
+    ``max_alerts`` > 0 only the first that many alerts are listed (``truncatedAlerts`` counts
+    the rest)."""
+    everything = [*d.firing, *d.resolved]
+    alerts = everything[:max_alerts] if max_alerts else everything
     return {
         "version": "4",
         "groupKey": d.group_key,
-        "truncatedAlerts": 0,
+        "truncatedAlerts": len(everything) - len(alerts),
         "status": "firing" if d.firing else "resolved",
         "receiver": d.receiver,
         "groupLabels": dict(d.group_labels),
-        "commonLabels": _common([a.labels for a in alerts]),
-        "commonAnnotations": _common([a.annotations for a in alerts]),
+        "commonLabels": _common([a.labels for a in everything]),
+        "commonAnnotations": _common([a.annotations for a in everything]),
         "externalURL": external_url,
         "alerts": [
             {
@@ -134,12 +146,16 @@ def deliver(
     attempts: int = 3,
     backoff_seconds: float = 0.5,
     max_backoff_seconds: float = 5.0,
+    timeout_seconds: float | None = None,
+    deadline: float | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """POST ``payload`` as JSON, retrying connection errors, timeouts, 408, 429 and 5xx with
     capped exponential backoff (a ``Retry-After`` in seconds lengthens the wait, up to
-    ``max_backoff_seconds``). The client's timeout bounds each attempt (keep it below the
-    evaluation interval).
+    ``max_backoff_seconds``). ``timeout_seconds`` (default: the client's) bounds each attempt;
+    no retry starts that could not end before ``deadline`` (``clock`` seconds), so a delivery
+    stays within the evaluation interval.
 
     Raises:
         DeliveryError: every attempt failed, the receiver refused the payload (another 4xx: not
@@ -154,7 +170,12 @@ def deliver(
     for attempt in range(1, attempts + 1):
         wait = delay
         try:
-            response = client.post(url, content=body, headers={"content-type": "application/json"})
+            response = client.post(
+                url,
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=timeout_seconds if timeout_seconds is not None else httpx.USE_CLIENT_DEFAULT,
+            )
         except httpx.HTTPError as exc:
             reason = f"{type(exc).__name__}: {exc}"
         else:
@@ -166,8 +187,12 @@ def deliver(
             retry_after = response.headers.get("retry-after", "")
             if retry_after.isdigit():
                 wait = min(max(wait, float(retry_after)), max_backoff_seconds)
-        if attempt < attempts:
-            log.warning("delivery to %s failed (attempt %d of %d): %s", url, attempt, attempts, reason)
-            sleep(wait)
-            delay = min(delay * 2, max_backoff_seconds)
-    raise DeliveryError(f"{url} did not accept the notification after {attempts} attempts ({reason})")
+        if attempt == attempts:
+            break
+        if deadline is not None and clock() + wait + (timeout_seconds or 0.0) > deadline:
+            reason += "; no time left for another attempt before the next evaluation"
+            break
+        log.warning("delivery to %s failed (attempt %d of %d): %s", url, attempt, attempts, reason)
+        sleep(wait)
+        delay = min(delay * 2, max_backoff_seconds)
+    raise DeliveryError(f"{url} did not accept the notification after {attempt} {'attempt' if attempt == 1 else 'attempts'} ({reason})")

@@ -15,7 +15,8 @@ Per series, each kind first gives a **verdict**: active, inactive, or no data, p
   each window, as a burn rate = error ratio / (1 − objective). Each burn window is its own alert
   series (labels ``window="1h/5m"`` and that window's ``severity``): active when both its long and
   short window burn at least its rate; the value is the short window's burn rate. No data when
-  either window lacks volume.
+  the short window lacks volume, or the long window lacks volume from before the short one (a
+  series younger than its short window, e.g. a fresh engine's cold start).
 * ``form_invalidation_spike`` — value is the reason's share of the form's lookups in the window;
   active when it exceeds the baseline share by ``min_share_increase``; no data when the window
   or the baseline has fewer than ``min_lookups`` lookups.
@@ -59,7 +60,7 @@ from alerts.rulefile import (
     InvalidationSpike,
     RecoveryLatencyHigh,
     Rule,
-    Silence,
+    SilentFor,
     render_template,
 )
 
@@ -198,7 +199,7 @@ def verdict(rule: Rule, series: SeriesInput, was_active: bool) -> Verdict:
         return _spike(settings, series)
     if isinstance(settings, RecoveryLatencyHigh) and isinstance(series, LatencyInput):
         return _latency(settings, series)
-    if isinstance(settings, Silence) and isinstance(series, SilenceInput):
+    if isinstance(settings, SilentFor) and isinstance(series, SilenceInput):
         return Verdict(not series.retired and series.seconds_since_last >= settings.silent_for, series.seconds_since_last)
     raise TypeError(f"{rule.alert}: input {type(series).__name__} does not fit kind {rule.kind}")
 
@@ -218,7 +219,8 @@ def _drop(s: HitRateDrop, x: DropInput, was_active: bool) -> Verdict:
 
 def burn_verdicts(s: HitRateBelow, x: BurnInput | None) -> list[tuple[dict[str, str], Verdict]]:
     """One (labels, verdict) per burn window: ``window`` and ``severity`` labels; active when both
-    its long and short window burn at least its rate; no data when either lacks volume."""
+    its long and short window burn at least its rate; no data when the short window lacks volume
+    or the long window lacks volume from before the short one."""
     if x is not None and len(x.windows) != len(s.windows):
         raise TypeError(f"need {len(s.windows)} burn windows, got {len(x.windows)}")
     budget = 1.0 - s.objective
@@ -229,7 +231,9 @@ def burn_verdicts(s: HitRateBelow, x: BurnInput | None) -> list[tuple[dict[str, 
             out.append((labels, Verdict(None, None)))
             continue
         long, short = x.windows[i]
-        if long.prompt < s.min_prompt_tokens or short.prompt < s.min_prompt_tokens:
+        # the long window must also hold volume from before the short one: a series younger than
+        # its short window (a fresh engine's cold start) has no history for the long window to judge
+        if short.prompt < s.min_prompt_tokens or long.prompt - short.prompt < s.min_prompt_tokens:
             out.append((labels, Verdict(None, None)))
             continue
         long_rate, short_rate = long.error_ratio() / budget, short.error_ratio() / budget

@@ -1,25 +1,32 @@
 """Runs rule files on a schedule: :class:`RuleScheduler` (issue 7, item 3).
 
 One APScheduler 3.x ``BackgroundScheduler`` job per rule group: every ``interval`` when the group
-sets one, else at every minute boundary plus the ingest lag (``CronTrigger(second=lag)``, UTC);
-``max_instances=1`` and coalescing, so a slow run is never doubled up. A run of a group:
+sets one (or the agent's ``alert_interval_seconds`` override), else at every minute boundary plus
+the ingest lag (``CronTrigger(second=lag)``, UTC); ``max_instances=1`` and coalescing, so a slow
+run is never doubled up. A run of a group:
 
 1. collects each rule's inputs (:func:`alerts.inputs.collect_inputs`); a rule whose query fails
    (a bad expr value, a truncated result, a store error) is skipped this time with its state
    unchanged (logged, counted in ``kvscope_alert_rule_failures_total``);
 2. evaluates the group (:func:`alerts.rule_eval.evaluate`) against its own alerts' state;
 3. in one transaction: writes the changed states to ``alert_state`` (deleting the dropped ones)
-   and the notifications (firing, resolved) to ``alerts``;
-4. appends each notification as one JSON line to the log receiver's file.
+   and the transitions (firing, resolved) to ``alerts``;
+4. appends each transition as one JSON line to the transition log (``alerts.log``);
+5. hands every firing or recently resolved alert to the :class:`alerts.notifier.Notifier`: the
+   group's alerts are pushed to the configured Alertmanagers, and all alerts are routed to the
+   receivers (grouping, inhibition, silences), within 80% of the group's interval.
 
-:meth:`RuleScheduler.start` first restores the state from ``alert_state``, so a restart neither
-re-pages nor loses pending time; alerts the file can no longer produce (a rule removed, or its
-labels or burn windows changed) are resolved then.
+:meth:`RuleScheduler.start` first restores the state from ``alert_state`` and the notification
+log from ``alert_groups``, so a restart neither re-pages nor loses pending time; alerts the file
+can no longer produce (a rule removed, or its labels or burn windows changed) are resolved then.
+
+Exactly one scheduler per agent: :func:`agent.server.serve` starts it next to uvicorn (not in
+the ASGI app, so no server worker or reload can start a second), and the agent holds the DuckDB
+file's write lock, so no second agent can run on the same state.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -27,16 +34,23 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC
 from pathlib import Path
 
-import pyarrow as pa
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from agent.ingest import registered
-from agent.store import Store, to_timestamp
+from agent.store import Store
+from alerts.alert_store import (
+    alert_row,
+    append_jsonl,
+    insert_alert_rows,
+    load_rule_state,
+    save_rule_state,
+)
 from alerts.inputs import ExprError, collect_inputs
+from alerts.notifier import Notifier, OutgoingAlert
+from alerts.routing import Alert
 from alerts.rule_eval import (
     AlertState,
     Labels,
@@ -47,80 +61,15 @@ from alerts.rule_eval import (
     evaluate,
     fingerprint,
 )
-from alerts.rulefile import HitRateBelow, RuleFile, RuleGroup
-from alerts.scheduler import alert_row, append_jsonl, insert_alert_rows
+from alerts.rulefile import HitRateBelow, Rule, RuleFile, RuleGroup, render_template
 
 log = logging.getLogger(__name__)
 
-_STATE_SCHEMA = pa.schema(
-    [
-        ("fingerprint", pa.string()),
-        ("alert", pa.string()),
-        ("labels", pa.string()),
-        ("series", pa.string()),
-        ("status", pa.string()),
-        ("active_since", pa.float64()),
-        ("firing_since", pa.float64()),
-        ("inactive_since", pa.float64()),
-        ("resolved_at", pa.float64()),
-        ("evaluated_at", pa.float64()),
-        ("value", pa.float64()),
-        ("updated_at", pa.timestamp("us")),
-    ]
-)
-def load_rule_state(store: Store) -> dict[str, AlertState]:
-    """Every alert's state from ``alert_state``."""
-    with store.cursor() as cur:
-        rows = cur.execute(
-            "SELECT fingerprint, alert, labels, series, status, active_since, firing_since, "
-            "inactive_since, resolved_at, evaluated_at, value FROM alert_state"
-        ).fetchall()
-    return {
-        fp: AlertState(
-            alert=alert,
-            fingerprint=fp,
-            labels=json.loads(labels),
-            series=tuple((k, v) for k, v in json.loads(series)),
-            status=Status(status),
-            active_since=active,
-            firing_since=firing,
-            inactive_since=inactive,
-            resolved_at=resolved,
-            evaluated_at=evaluated,
-            value=value,
-        )
-        for fp, alert, labels, series, status, active, firing, inactive, resolved, evaluated, value in rows
-    }
-
-
 def save(store: Store, before: dict[str, AlertState], after: dict[str, AlertState], notes: Sequence[Notification], now: float) -> None:
-    """Write the state changes between ``before`` and ``after`` and the notifications, in one
+    """Write the state changes between ``before`` and ``after`` and the transitions, in one
     transaction."""
-    changed = [st for fp, st in after.items() if before.get(fp) != st]
-    dropped = [fp for fp in before if fp not in after]
-    if not changed and not dropped and not notes:
+    if not notes and all(before.get(fp) == st for fp, st in after.items()) and set(before) <= set(after):
         return
-    at = to_timestamp(now)
-    states = pa.Table.from_pylist(
-        [
-            {
-                "fingerprint": st.fingerprint,
-                "alert": st.alert,
-                "labels": json.dumps(dict(st.labels), sort_keys=True),
-                "series": json.dumps([list(kv) for kv in st.series]),
-                "status": st.status.value,
-                "active_since": st.active_since,
-                "firing_since": st.firing_since,
-                "inactive_since": st.inactive_since,
-                "resolved_at": st.resolved_at,
-                "evaluated_at": st.evaluated_at,
-                "value": st.value,
-                "updated_at": at,
-            }
-            for st in changed
-        ],
-        schema=_STATE_SCHEMA,
-    )
     alerts = [
         alert_row(
             at=n.at, alert=n.alert, fingerprint=n.fingerprint, state=n.status.value, value=n.value, labels=n.labels,
@@ -129,17 +78,12 @@ def save(store: Store, before: dict[str, AlertState], after: dict[str, AlertStat
         for n in notes
     ]
     with store.transaction() as cur:
-        if dropped or changed:
-            doomed = dropped + [st.fingerprint for st in changed]
-            cur.execute("DELETE FROM alert_state WHERE list_contains($fps, fingerprint)", {"fps": doomed})
-        if changed:
-            with registered(cur, "_alert_state", states):
-                cur.execute(f"INSERT INTO alert_state SELECT {', '.join(_STATE_SCHEMA.names)} FROM _alert_state")
+        save_rule_state(cur, before, after, now)
         insert_alert_rows(cur, alerts)
 
 
 def append_log(path: Path, notes: Sequence[Notification]) -> None:
-    """The log receiver: one JSON line per notification."""
+    """The transition log: one JSON line per firing or resolve."""
     append_jsonl(
         path,
         [
@@ -157,16 +101,26 @@ def append_log(path: Path, notes: Sequence[Notification]) -> None:
     )
 
 
+DEFAULT_INTERVAL_SECONDS = 60.0
+"""A group without ``interval`` (and no override) runs every minute, at the boundary plus the lag."""
+
+
 class RuleScheduler:
-    """Evaluates a rule file's groups against ``store`` on their schedules (module docstring).
+    """Evaluates a rule file's groups against ``store`` on their schedules and hands the result
+    to the notifier (module docstring).
 
     Args:
         store: the agent's store.
         rules: the loaded rule file.
-        log_path: the log receiver's file.
-        registry: where ``kvscope_alert_rule_failures_total`` is registered.
-        lag_seconds: the ingest lag: windows end this long before now; default runs happen this
+        log_path: the transition log's file (one JSON line per firing or resolve).
+        registry: where ``kvscope_alert_rule_failures_total`` and ``kvscope_alerts`` are
+            registered.
+        notifier: routes and delivers the alerts after each evaluation (None: transitions are
+            only stored and logged).
+        lag_seconds: the ingest lag: windows end this long before now; minute runs happen this
             many seconds after each minute boundary (0..59).
+        interval_seconds: run groups without their own ``interval`` every N seconds instead of
+            at minute boundaries (tests, demos).
         clock: unix seconds, injectable for tests.
     """
 
@@ -177,17 +131,23 @@ class RuleScheduler:
         rules: RuleFile,
         log_path: Path,
         registry: CollectorRegistry,
+        notifier: Notifier | None = None,
         lag_seconds: int = 5,
+        interval_seconds: float | None = None,
         clock: Callable[[], float] = time.time,
         row_limit: int = 10_000,
         timeout_seconds: float = 10.0,
     ) -> None:
         if not 0 <= lag_seconds <= 59:
             raise ValueError(f"lag_seconds must be in [0, 59], got {lag_seconds}")
+        if interval_seconds is not None and not interval_seconds > 0:
+            raise ValueError(f"interval_seconds must be positive, got {interval_seconds}")
         self.store = store
         self.rules = rules
         self.log_path = log_path
+        self.notifier = notifier
         self.lag_seconds = lag_seconds
+        self.interval_seconds = interval_seconds
         self.clock = clock
         self.row_limit = row_limit
         self.timeout_seconds = timeout_seconds
@@ -197,6 +157,13 @@ class RuleScheduler:
             ("alert",),
             registry=registry,
         )
+        self.active = Gauge(
+            "kvscope_alerts",
+            "Alerts pending or firing now, by alert name and state (as Prometheus's ALERTS).",
+            ("alertname", "alertstate"),
+            registry=registry,
+        )
+        self._rules_by_name: dict[str, Rule] = {rule.alert: rule for rule in rules.rules}
         self._lock = threading.Lock()
         self._state: dict[str, AlertState] = {}
         self._scheduler: BackgroundScheduler | None = None
@@ -206,8 +173,15 @@ class RuleScheduler:
         with self._lock:
             return dict(self._state)
 
+    def interval_of(self, group: RuleGroup) -> float:
+        """The group's evaluation interval in seconds."""
+        if group.interval_seconds is not None:
+            return group.interval_seconds
+        return self.interval_seconds if self.interval_seconds is not None else DEFAULT_INTERVAL_SECONDS
+
     def restore(self, now: float | None = None) -> list[Notification]:
-        """Load the state; resolve (and forget) the alerts of rules no longer in the file."""
+        """Load the state and the notification log; resolve (and forget) the alerts of rules no
+        longer in the file."""
         now = self.clock() if now is None else now
         loaded = load_rule_state(self.store)
         current = {fp for st in loaded.values() for fp in self._fingerprints(st)}
@@ -217,13 +191,16 @@ class RuleScheduler:
         append_log(self.log_path, notes)
         with self._lock:
             self._state = {fp: st for fp, st in loaded.items() if fp not in orphans}
+        if self.notifier is not None:
+            self.notifier.restore()
+        self._set_gauge()
         return notes
 
     def _fingerprints(self, st: AlertState) -> set[str]:
         """The fingerprints the file's rules can give ``st``'s series now (none when its rule is
         gone): a rule whose labels or burn windows changed no longer reaches the old alert, which
         is then resolved like a removed rule's."""
-        rule = next((r for r in self.rules.rules if r.alert == st.alert), None)
+        rule = self._rules_by_name.get(st.alert)
         if rule is None:
             return set()
         extras: list[dict[str, str]] = [{}]
@@ -232,7 +209,8 @@ class RuleScheduler:
         return {fingerprint(rule.alert, {**dict(st.series), **rule.labels, **extra}) for extra in extras}
 
     def run_group(self, group: RuleGroup, now: float | None = None) -> list[Notification]:
-        """Evaluate one group at ``now`` (default: the clock); returns its notifications."""
+        """Evaluate one group at ``now`` (default: the clock), then notify; returns the group's
+        transitions (firing, resolved)."""
         now = self.clock() if now is None else now
         inputs: dict[str, Mapping[Labels, SeriesInput]] = {}
         evaluated = []
@@ -265,18 +243,59 @@ class RuleScheduler:
             for fp in before:
                 self._state.pop(fp, None)
             self._state.update(after)
+            everything = list(self._state.values())
         for n in notes:
             log.warning("alert %s %s %s", n.alert, n.status.value, n.annotations.get("summary", ""))
         append_log(self.log_path, notes)
+        self._set_gauge()
+        if self.notifier is not None:
+            self._notify(group, everything, now)
         return notes
 
+    def _notify(self, group: RuleGroup, everything: list[AlertState], now: float) -> None:
+        interval = self.interval_of(group)
+        budget = 0.8 * interval
+        outgoing = [o for o in (self.outgoing(st) for st in everything) if o is not None]
+        names = {rule.alert for rule in group.rules}
+        assert self.notifier is not None
+        try:
+            self.notifier.push([o for o in outgoing if o.name in names], now, interval_seconds=interval, budget_seconds=budget / 2)
+            self.notifier.route(outgoing, now, budget_seconds=budget / 2)
+        except Exception:  # the store failed while logging: the next evaluation retries
+            log.exception("notifying after rule group %s failed", group.name)
+
+    def outgoing(self, st: AlertState) -> OutgoingAlert | None:
+        """``st`` as the notifier sees it (None while pending): labels with ``alertname`` added,
+        annotations rendered with the last value."""
+        if st.status not in (Status.FIRING, Status.RESOLVED):
+            return None
+        rule = self._rules_by_name.get(st.alert)
+        templates = rule.annotations if rule is not None else {}
+        labels = {**dict(st.labels), "alertname": st.alert}
+        annotations = {k: render_template(t, st.labels, st.value) for k, t in templates.items()}
+        alert = Alert(fingerprint=st.fingerprint, labels=labels, firing=st.status == Status.FIRING, annotations=annotations, value=st.value)
+        starts = st.firing_since if st.firing_since is not None else (st.evaluated_at or 0.0)
+        return OutgoingAlert(alert=alert, name=st.alert, starts_at=starts, resolved_at=st.resolved_at)
+
+    def _set_gauge(self) -> None:
+        counts: dict[tuple[str, str], int] = {(rule.alert, s): 0 for rule in self.rules.rules for s in ("pending", "firing")}
+        for st in self.state.values():
+            if st.status in (Status.PENDING, Status.FIRING):
+                counts[(st.alert, st.status.value)] = counts.get((st.alert, st.status.value), 0) + 1
+        for (name, state), n in counts.items():
+            self.active.labels(alertname=name, alertstate=state).set(n)
+
     def trigger(self, group: RuleGroup) -> BaseTrigger:
-        if group.interval_seconds is not None:
-            return IntervalTrigger(seconds=group.interval_seconds, timezone=UTC)
+        if group.interval_seconds is not None or self.interval_seconds is not None:
+            return IntervalTrigger(seconds=self.interval_of(group), timezone=UTC)
         return CronTrigger(second=self.lag_seconds, timezone=UTC)
 
     def start(self) -> None:
-        """Restore the state, then run every group on its schedule in a background thread."""
+        """Restore the state, then run every group on its schedule in a background thread.
+
+        Raises:
+            RuntimeError: already started (one scheduler per agent).
+        """
         if self._scheduler is not None:
             raise RuntimeError("the rule scheduler is already started")
         self.restore()
@@ -290,7 +309,7 @@ class RuleScheduler:
                 name=f"kvscope rule group {group.name}",
                 max_instances=1,
                 coalesce=True,
-                misfire_grace_time=30,
+                misfire_grace_time=max(1, int(self.interval_of(group) // 2)),
             )
         scheduler.start()
         self._scheduler = scheduler
@@ -300,3 +319,5 @@ class RuleScheduler:
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             scheduler.shutdown(wait=True)
+        if self.notifier is not None:
+            self.notifier.close()

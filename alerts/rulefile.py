@@ -357,7 +357,7 @@ class RecoveryLatencyHigh:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Silence:
+class SilentFor:
     """``ingest_stalled`` (no batch from any engine) / ``engine_silent`` (no event from an engine
     seen within ``lookback``) for ``silent_for``."""
 
@@ -374,12 +374,12 @@ KINDS: dict[str, type] = {
     "recoverable_hit_rate_below": HitRateBelow,
     "form_invalidation_spike": InvalidationSpike,
     "recovery_latency_high": RecoveryLatencyHigh,
-    "ingest_stalled": Silence,
-    "engine_silent": Silence,
+    "ingest_stalled": SilentFor,
+    "engine_silent": SilentFor,
 }
 """Built-in rule kinds → their settings."""
 
-KindSettings = HitRateDrop | HitRateBelow | InvalidationSpike | RecoveryLatencyHigh | Silence
+KindSettings = HitRateDrop | HitRateBelow | InvalidationSpike | RecoveryLatencyHigh | SilentFor
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,8 +491,6 @@ def parse_rule_file(raw: object, *, source: str = "<rules>") -> RuleFile:
 
 
 _RULE_KEYS = {"alert", "kind", "expr", "for", "keep_firing_for", "labels", "annotations"}
-RESERVED_ALERTS = frozenset({"RecoverableHitRateLow"})
-"""Names of the agent's built-in rule (:mod:`alerts.rules`), which keeps its own state."""
 
 
 def _parse_rule(raw: object, group_where: str, index: int) -> Rule:
@@ -502,8 +500,6 @@ def _parse_rule(raw: object, group_where: str, index: int) -> Rule:
     if not isinstance(alert, str) or not ALERT_NAME.fullmatch(alert):
         raise RuleFileError(f"{group_where}: rule {index}: field alert: must be a name like RecoverableHitRateDrop, got {alert!r}")
     where = f"{group_where}: rule {alert!r}"
-    if alert in RESERVED_ALERTS:
-        raise RuleFileError(f"{where}: field alert: {alert} is the agent's built-in rule; choose another name")
     kind = raw.get("kind")
     settings_keys: set[str] = set()
     if kind is not None:

@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dashboard-port", type=_port, default=8501)
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Streamlit dashboard")
     up.add_argument("--exit-when-done", action="store_true", help="stop agent and dashboard after the replay")
-    up.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help="evaluate the built-in alert rule every N s instead of every minute (rule-file groups keep their own interval)")
+    up.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help="evaluate rule groups without their own interval every N s instead of every minute")
     up.add_argument("--alert-rules", type=Path, default=None, help="the agent's alert rule file (default: the shipped alerts/default_rules.yaml)")
+    up.add_argument("--alert-notify", type=Path, default=None, help="the agent's notification file: routes, receivers, Alertmanagers (default: the shipped alerts/default_notify.yaml)")
     _add_replay_flags(up)
 
     agent = sub.add_parser("agent", parents=[verbose], help="the sidecar: ingest, DuckDB store, metrics, SQL, alerts")
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--data-dir", type=Path, default=None)
     agent.add_argument("--token", default=None, help="bearer token (or KVSCOPE_TOKEN)")
     agent.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help=argparse.SUPPRESS)
-    agent.add_argument("--alert-rules", type=Path, default=None, help="an alert rule file to evaluate (overrides alert_rules_file)")
+    agent.add_argument("--alert-rules", type=Path, default=None, help="the alert rule file (overrides alert_rules_file; default: the shipped one)")
+    agent.add_argument("--alert-notify", type=Path, default=None, help="the notification file (overrides alert_notify_file; default: the shipped one)")
 
     dash = sub.add_parser("dashboard", parents=[verbose], help="the Streamlit dashboard")
     dash.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
@@ -150,13 +152,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     alerts = sub.add_parser("alerts", parents=[verbose], help="alert rule tooling")
     alerts_sub = alerts.add_subparsers(dest="alerts_command", required=True)
-    check = alerts_sub.add_parser("check", parents=[verbose], help="validate rule files (like promtool check rules)")
+    check = alerts_sub.add_parser("check", parents=[verbose], help="validate rule files and notification files (like promtool check rules, amtool check-config)")
     check.add_argument("files", type=Path, nargs="+", metavar="FILE")
     export = alerts_sub.add_parser(
         "export-prometheus", parents=[verbose], help="write equivalent Prometheus alerting rules over the agent's metrics"
     )
     export.add_argument("file", type=Path, metavar="FILE")
     export.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
+    golden = alerts_sub.add_parser(
+        "test", parents=[verbose], help="run rules over a golden time series and print the notifications (like promtool test rules)"
+    )
+    golden.add_argument("file", type=Path, metavar="FILE", help="the rule file")
+    golden.add_argument("--series", type=Path, required=True, metavar="FILE", help="the golden series (YAML; see alerts/golden.py)")
+    golden.add_argument("--json", action="store_true", help="one JSON object per notification instead of a table")
+    silence = alerts_sub.add_parser("silence", parents=[verbose], help="create, list and expire silences on a running agent")
+    silence.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
+    silence_sub = silence.add_subparsers(dest="silence_command", required=True)
+    add = silence_sub.add_parser("add", parents=[verbose], help="mute alerts matching every matcher, e.g. engine=\"e1\" alertname=~\"Recoverable.*\"")
+    add.add_argument("matchers", nargs="+", metavar="MATCHER")
+    add.add_argument("--duration", default="1h", help="how long (Prometheus duration; default: %(default)s)")
+    add.add_argument("--comment", required=True, help="why")
+    add.add_argument("--author", default=None, help="who (default: $USER)")
+    silence_sub.add_parser("list", parents=[verbose], help="the silences, with their state")
+    expire = silence_sub.add_parser("expire", parents=[verbose], help="end silences now")
+    expire.add_argument("ids", nargs="+", metavar="ID")
     return parser
 
 
@@ -257,6 +276,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         json=args.json,
         alert_interval_seconds=args.alert_interval_seconds,
         alert_rules=args.alert_rules,
+        alert_notify=args.alert_notify,
     )
     try:
         return run_up(opts)
@@ -282,19 +302,21 @@ def cmd_agent(args: argparse.Namespace) -> int:
                 "token": args.token,
                 "alert_interval_seconds": args.alert_interval_seconds,
                 "alert_rules_file": args.alert_rules,
+                "alert_notify_file": args.alert_notify,
             }.items()
             if v is not None
         }
         config = dataclasses.replace(config, **overrides)
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None
-    if config.alert_rules_file is not None:
-        from alerts.rulefile import RuleFileError, load_rule_file
+    from alerts.notify_config import DEFAULT_NOTIFY_PATH, NotifyConfigError, load_notify_config
+    from alerts.rulefile import DEFAULT_RULES_PATH, RuleFileError, load_rule_file
 
-        try:
-            load_rule_file(config.alert_rules_file)
-        except RuleFileError as exc:
-            raise UserError(str(exc)) from None
+    try:
+        load_rule_file(config.alert_rules_file or DEFAULT_RULES_PATH)
+        load_notify_config(config.alert_notify_file or DEFAULT_NOTIFY_PATH, data_dir=config.data_dir)
+    except (RuleFileError, NotifyConfigError) as exc:
+        raise UserError(str(exc)) from None
     from kvscope.services import port_is_free
 
     if not port_is_free(config.host, config.port):
@@ -305,7 +327,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         f"{config.ingest_full_policy}; raw rows kept "
         f"{'forever' if config.raw_retention_hours is None else f'{config.raw_retention_hours:g} h'}; "
         f"Parquet export {'to ' + str(config.parquet_dir) if config.export_enabled else 'off'}; "
-        f"alert rules {config.alert_rules_file or 'built-in only'})",
+        f"alert rules {config.alert_rules_file or 'shipped default'}, notifications "
+        f"{config.alert_notify_file or 'shipped default (JSONL log)'})",
         file=sys.stderr,
         flush=True,
     )
@@ -424,6 +447,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_alerts(args: argparse.Namespace) -> int:
     from alerts.rulefile import RuleFileError, load_rule_file
 
+    if args.alerts_command == "silence":
+        return _silence(args)
+    if args.alerts_command == "test":
+        from alerts.golden import GoldenError, load_series, render_notifications, run_golden
+
+        if not args.verbose:  # the transitions are the output; the scheduler's log lines would repeat them
+            logging.getLogger("alerts.rule_scheduler").setLevel(logging.ERROR)
+        try:
+            rules = load_rule_file(args.file)
+            series = load_series(args.series)
+            result = run_golden(rules, series)
+        except (RuleFileError, GoldenError) as exc:
+            raise UserError(str(exc)) from None
+        sys.stdout.write(render_notifications(result, as_json=args.json))
+        for problem in result.mismatches:
+            print(f"FAILED: {problem}", file=sys.stderr)
+        return 1 if result.mismatches else 0
     if args.alerts_command == "export-prometheus":
         from alerts.prometheus_export import export_prometheus
 
@@ -436,16 +476,62 @@ def cmd_alerts(args: argparse.Namespace) -> int:
         else:
             args.output.write_text(text, encoding="utf-8")
         return 0
+    import yaml
+
+    from alerts.notify_config import NotifyConfigError, load_notify_config
+
     failed = 0
     for path in args.files:
         try:
-            rules = load_rule_file(path)
-        except RuleFileError as exc:
+            try:
+                notify_file = "groups" not in (yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+            except (OSError, yaml.YAMLError, TypeError):
+                notify_file = False  # the rule loader reports it
+            if notify_file:
+                config = load_notify_config(path, data_dir=Path("kvscope-data"))
+                print(
+                    f"{path}: SUCCESS: notification file, {len(config.receivers)} receivers, "
+                    f"{len(config.inhibit_rules)} inhibit rules, {len(config.alertmanagers)} Alertmanagers"
+                )
+            else:
+                rules = load_rule_file(path)
+                print(f"{path}: SUCCESS: {len(rules.groups)} groups, {len(rules.rules)} rules found")
+        except (RuleFileError, NotifyConfigError) as exc:
             print(f"FAILED: {exc}", file=sys.stderr)
             failed += 1
-            continue
-        print(f"{path}: SUCCESS: {len(rules.groups)} groups, {len(rules.rules)} rules found")
     return 1 if failed else 0
+
+
+def _silence(args: argparse.Namespace) -> int:
+    import getpass
+
+    from agent.client import AgentClient
+
+    try:
+        client = AgentClient(base_url=args.agent or default_agent_url(), timeout_seconds=10)
+        if args.silence_command == "add":
+            created = client.create_silence(
+                matchers=args.matchers, duration=args.duration, comment=args.comment, created_by=args.author or getpass.getuser()
+            )
+            print(created["id"])
+            return 0
+        if args.silence_command == "expire":
+            for silence_id in args.ids:
+                client.expire_silence(silence_id)
+                print(f"expired {silence_id}")
+            return 0
+        found = client.silences()
+    except (AgentError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    from datetime import UTC, datetime
+
+    def when(unix: float) -> str:
+        return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+    print(f"{'ID':36}  {'STATE':8}  {'ENDS (UTC)':19}  {'CREATED BY':12}  MATCHERS  COMMENT")
+    for s in found:
+        print(f"{s['id']:36}  {s['state']:8}  {when(s['ends_at']):19}  {s['created_by'][:12]:12}  {' '.join(s['matchers'])}  {s['comment']}")
+    return 0
 
 
 COMMANDS = {

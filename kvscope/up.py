@@ -54,6 +54,8 @@ class UpOptions:
     alert_interval_seconds: float | None
     alert_rules: Path | None = None
     """The agent's rule file (None: the shipped default, ``alerts/default_rules.yaml``)."""
+    alert_notify: Path | None = None
+    """The agent's notification file (None: the shipped default, ``alerts/default_notify.yaml``)."""
 
 
 def run_up(opts: UpOptions) -> int:
@@ -93,6 +95,8 @@ def run_up(opts: UpOptions) -> int:
         if opts.alert_interval_seconds:
             agent_cmd += ["--alert-interval-seconds", str(opts.alert_interval_seconds)]
         agent_cmd += ["--alert-rules", str(opts.alert_rules or DEFAULT_RULES_PATH)]
+        if opts.alert_notify is not None:
+            agent_cmd += ["--alert-notify", str(opts.alert_notify)]
         agent = services.start("agent", agent_cmd, opts.data_dir / "agent.log")
         services.wait_http_ok(agent, agent_url + "/readyz", timeout_seconds=60)
         err.print(f"agent      {agent_url}  (DuckDB {opts.data_dir / 'kvscope.duckdb'}, metrics {agent_url}/metrics)")

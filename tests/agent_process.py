@@ -18,16 +18,22 @@ import sys
 from pathlib import Path
 from agent.config import AgentConfig
 from agent.server import serve
-rules = Path(sys.argv[4]) if len(sys.argv) > 4 else None
-serve(AgentConfig(host="127.0.0.1", port=int(sys.argv[1]), data_dir=Path(sys.argv[2]), alert_rules_file=rules), log_level=sys.argv[3])
+rules = Path(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] else None
+notify = Path(sys.argv[5]) if len(sys.argv) > 5 else None
+serve(
+    AgentConfig(host="127.0.0.1", port=int(sys.argv[1]), data_dir=Path(sys.argv[2]), alert_rules_file=rules, alert_notify_file=notify),
+    log_level=sys.argv[3],
+)
 print("serve returned", flush=True)
 """
 
 
-def agent_command(port: int, data: Path, log_level: str = "warning", rules: Path | None = None) -> list[str]:
-    """The command line of an agent on 127.0.0.1:``port`` storing under ``data`` (evaluating the
-    rule file ``rules`` when given)."""
-    return [sys.executable, "-c", AGENT_SCRIPT, str(port), str(data), log_level, *([str(rules)] if rules else [])]
+def agent_command(
+    port: int, data: Path, log_level: str = "warning", rules: Path | None = None, notify: Path | None = None
+) -> list[str]:
+    """The command line of an agent on 127.0.0.1:``port`` storing under ``data`` (with the rule
+    file ``rules`` and the notification file ``notify`` when given, else the shipped ones)."""
+    return [sys.executable, "-c", AGENT_SCRIPT, str(port), str(data), log_level, str(rules or ""), *([str(notify)] if notify else [])]
 
 
 def agent_env() -> dict[str, str]:
@@ -38,12 +44,12 @@ def agent_env() -> dict[str, str]:
 
 
 def start_agent(
-    port: int, data: Path, *, log_level: str = "warning", rules: Path | None = None, **popen: Any
+    port: int, data: Path, *, log_level: str = "warning", rules: Path | None = None, notify: Path | None = None, **popen: Any
 ) -> subprocess.Popen[Any]:
     """Start an agent (output to DEVNULL unless ``popen`` says otherwise) and wait until ready."""
     popen.setdefault("stdout", subprocess.DEVNULL)
     popen.setdefault("stderr", subprocess.DEVNULL)
-    process = subprocess.Popen(agent_command(port, data, log_level, rules), cwd=ROOT, env=agent_env(), **popen)
+    process = subprocess.Popen(agent_command(port, data, log_level, rules, notify), cwd=ROOT, env=agent_env(), **popen)
     wait_ready(process, port)
     return process
 

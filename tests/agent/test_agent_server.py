@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,25 +94,58 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def test_serve_runs_a_rule_file(tmp_path: Path) -> None:
-    """With ``alert_rules_file`` the agent evaluates the file's groups on their schedules: an
-    expr rule whose query returns a row fires into the log receiver."""
+def test_serve_runs_a_rule_file_routes_and_silences(tmp_path: Path) -> None:
+    """The agent evaluates the rule file's groups on their schedules and routes what fires: an
+    expr rule whose query returns two rows fires two alerts into the transition log and, through
+    the notification file's route, into its log receiver. A silence created with
+    ``kvscope alerts silence add`` mutes one of them; ``list`` shows it; ``expire`` ends it."""
     rules = tmp_path / "rules.yaml"
     rules.write_text(
         "groups:\n  - name: fast\n    interval: 200ms\n    rules:\n"
-        "      - alert: Always\n        expr: \"SELECT 'x' AS engine, 1.0 AS value\"\n"
+        "      - alert: Always\n        expr: \"SELECT unnest(['x', 'y']) AS engine, 1.0 AS value\"\n"
         "        labels: {severity: info}\n        annotations: {summary: 'always {{ $labels.engine }}'}\n"
     )
-    process = start_agent(free_port(), tmp_path / "data", rules=rules)
+    notify = tmp_path / "notify.yaml"
+    notify.write_text(
+        "route: {receiver: log, group_by: [engine], group_wait: 1s, group_interval: 1s, repeat_interval: 1h}\n"
+        "receivers: [{name: log, log_configs: [{path: notifications.jsonl}]}]\n"
+    )
+    port = free_port()
+    cli = [sys.executable, "-m", "kvscope", "alerts", "silence", "--agent", f"http://127.0.0.1:{port}"]
+    process = start_agent(port, tmp_path / "data", rules=rules, notify=notify)
     try:
-        log_file = tmp_path / "data" / "alerts.log"
+        added = subprocess.run(
+            [*cli, "add", 'engine="y"', "--duration", "1h", "--comment", "test", "--author", "me"],
+            cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert added.returncode == 0, added.stderr
+        silence_id = added.stdout.strip()
+        sent = tmp_path / "data" / "notifications.jsonl"
         deadline = time.monotonic() + 20
-        while not log_file.exists():
-            assert time.monotonic() < deadline, "the rule file was not evaluated"
+        while not sent.exists():
+            assert time.monotonic() < deadline, "the rule file was not evaluated and routed"
+            time.sleep(0.05)
+        listed = subprocess.run([*cli, "list"], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60)
+        assert silence_id in listed.stdout and "active" in listed.stdout and 'engine="y"' in listed.stdout
+        expired = subprocess.run([*cli, "expire", silence_id], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60)
+        assert expired.returncode == 0 and f"expired {silence_id}" in expired.stdout
+        bad = subprocess.run([*cli, "add", "engine", "--comment", "c"], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "is not a matcher" in bad.stderr
+        deadline = time.monotonic() + 20
+        while len(sent.read_text().splitlines()) < 2:  # y is routed once its silence ended
+            assert time.monotonic() < deadline, "the alert was not routed after its silence expired"
             time.sleep(0.05)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
     assert process.returncode == 0
-    [line] = log_file.read_text().splitlines()
-    assert '"annotations": {"summary": "always x"}' in line and '"status": "firing"' in line
+    transitions = [json.loads(line) for line in (tmp_path / "data" / "alerts.log").read_text().splitlines()]
+    assert sorted((t["labels"]["engine"], t["status"], t["annotations"]["summary"]) for t in transitions) == [
+        ("x", "firing", "always x"),
+        ("y", "firing", "always y"),
+    ]
+    notified = [json.loads(line) for line in sent.read_text().splitlines()]
+    assert [(n["groupLabels"], n["status"], [a["labels"]["alertname"] for a in n["alerts"]]) for n in notified] == [
+        ({"engine": "x"}, "firing", ["Always"]),
+        ({"engine": "y"}, "firing", ["Always"]),
+    ]

@@ -123,7 +123,8 @@ def test_load_config(tmp_path: Path) -> None:
     path = tmp_path / "agent.yaml"
     path.write_text(
         "host: 0.0.0.0\nport: 9500\ndata_dir: /var/lib/kvscope\ntoken: t0k\n"
-        "sql_timeout_seconds: 2\nalert_threshold: 0.6\nalert_interval_seconds: null\n"
+        "sql_timeout_seconds: 2\nalert_rules_file: /etc/kvscope/rules.yaml\nalert_interval_seconds: null\n"
+        "alert_notify_file: notify.yaml\nexternal_url: https://kvscope.example/\n"
     )
     config = load_config(path)
     assert config == AgentConfig(
@@ -132,11 +133,14 @@ def test_load_config(tmp_path: Path) -> None:
         data_dir=Path("/var/lib/kvscope"),
         token="t0k",
         sql_timeout_seconds=2.0,
-        alert_threshold=0.6,
+        alert_rules_file=Path("/etc/kvscope/rules.yaml"),
+        alert_notify_file=Path("notify.yaml"),
+        external_url="https://kvscope.example/",
     )
     assert config.db_path == Path("/var/lib/kvscope/kvscope.duckdb")
     assert config.alert_log_path == Path("/var/lib/kvscope/alerts.log")
-    assert config.alert_rule.threshold == 0.6
+    assert config.agent_url == "https://kvscope.example/"
+    assert AgentConfig(host="10.0.0.1", port=9401).agent_url == "http://10.0.0.1:9401"
     overridden = dataclasses.replace(config, port=9600, data_dir=tmp_path)
     assert (overridden.port, overridden.host, overridden.data_dir) == (9600, "0.0.0.0", tmp_path)
     empty = tmp_path / "empty.yaml"
@@ -185,7 +189,8 @@ def test_load_config_buffers_retention_export(tmp_path: Path) -> None:
         ("port: true\n", "key 'port' must be int, got bool True"),
         ("token: 5\n", "key 'token' must be str or null, got int 5"),
         ("port: 70000\n", "port must be in [0, 65535], got 70000"),
-        ("alert_threshold: 1.5\n", "threshold must be a ratio in (0, 1], got 1.5"),
+        ("alert_threshold: 0.5\n", "key 'alert_threshold' was removed: the built-in RecoverableHitRateLow rule was replaced by rule files"),
+        ("external_url: kvscope.local\n", "external_url must be an http(s) URL, got 'kvscope.local'"),
         ("- 1\n- 2\n", "expected a mapping of settings, got list"),
         ("port: [\n", "invalid YAML"),
         ("ingest_full_policy: drop\n", "ingest_full_policy must be one of reject, block, got 'drop'"),
@@ -230,7 +235,8 @@ def test_config_validation(changes: dict[str, object], message: str) -> None:
 def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
     """Migration 2 adds the admission's predicted and actual seconds to ``requests``; rows
     stored under version 1 keep their values and read 0 there. Migration 3 follows; a batch
-    stored before it (no digest) is still a duplicate when re-sent."""
+    stored before it (no digest) is still a duplicate when re-sent. Migration 5 marks the alert
+    rows already there as transitions."""
     import duckdb
 
     from agent.store import _migrate
@@ -243,10 +249,13 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         "NULL, 'none', 'exact', 0.5, 0.6, now()::TIMESTAMP)"
     )
     con.execute("INSERT INTO ingest_batches VALUES ('e1', 0, now()::TIMESTAMP, 8, 'stored', NULL)")
+    con.execute("INSERT INTO alerts VALUES (now()::TIMESTAMP, 'A', 'f1', 'firing', 0.5, '{}', 's', 'd')")
     con.close()
     store = Store.open(path)
     try:
-        assert store.open_report.applied == (2, 3, 4) and store.schema_version == SCHEMA_VERSION
+        assert store.open_report.applied == (2, 3, 4, 5) and store.schema_version == SCHEMA_VERSION
+        with store.cursor() as cur:  # migration 5: old alert rows are transitions
+            assert cur.execute("SELECT state, event, receiver, error FROM alerts").fetchall() == [("firing", "transition", None, None)]
         resent = ingest_batch(store, decode_batch(json_body(batch(0, known_events(minute_start())))), received_at=utc_now())
         assert resent.status == "duplicate"
         with store.cursor() as cur:

@@ -99,15 +99,21 @@ def test_burn_rate_windows_are_separate_alerts_with_their_severity() -> None:
     r = rule(kind="recoverable_hit_rate_below", objective=0.95, min_prompt_tokens=100)
     healthy = Tokens(980, 1000)  # error 2 % = 0.4x the budget of 5 %
     burning = Tokens(500, 1000)  # error 50 % = 10x: above 6, below 14.4
-    fast = BurnInput(((burning, burning), (burning, burning), (healthy, healthy)))
+    burning_long = Tokens(1000, 2000)  # the long window: the short one's 1000 tokens and 1000 before
+    healthy_long = Tokens(1960, 2000)
+    fast = BurnInput(((burning_long, burning), (burning_long, burning), (healthy_long, healthy)))
     state, notes = evaluate([r], {"A": {ENGINE: fast}}, 0.0, {})
     assert [(n.labels["window"], n.labels["severity"], n.value) for n in notes] == [("6h/30m", "page", pytest.approx(10.0))]
-    calm = BurnInput(((healthy, healthy),) * 3)
+    calm = BurnInput(((healthy_long, healthy),) * 3)
     state, notes = evaluate([r], {"A": {ENGINE: calm}}, 60.0, state)
     assert [(n.labels["window"], n.status) for n in notes] == [("6h/30m", Status.RESOLVED)]
     state, notes = evaluate([r], {"A": {ENGINE: None}}, 120.0, state)
     assert notes == []
-    on_fire = BurnInput(((Tokens(0, 1000),) * 2,) * 3)  # 20x burns every window
+    on_fire = BurnInput(((Tokens(0, 2000), Tokens(0, 1000)),) * 3)  # 20x burns every window
+    # a series younger than its short window (all of the long window's volume is in the short
+    # one: a fresh engine's cold start) is no data, however bad it looks
+    young = BurnInput(((Tokens(0, 1000), Tokens(0, 1000)),) * 3)
+    assert evaluate([r], {"A": {ENGINE: young}}, 180.0, state)[1] == []
     state, notes = evaluate([r], {"A": {ENGINE: on_fire}}, 180.0, state)
     assert sorted(n.labels["window"] for n in notes) == ["1h/5m", "3d/6h", "6h/30m"]
 

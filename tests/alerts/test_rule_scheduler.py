@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from agent.ingest import ingest_batch
 from agent.store import Store, to_timestamp
+from alerts.alert_store import load_rule_state
 from alerts.rule_eval import Status
-from alerts.rule_scheduler import RuleScheduler, load_rule_state
+from alerts.rule_scheduler import RuleScheduler
 from alerts.rulefile import parse_rule_file
 from engine.events import decode_batch
 
@@ -123,6 +124,60 @@ def test_the_background_job_runs_each_group(store: Store, tmp_path: Path) -> Non
         sched.shutdown()
     [line] = [json.loads(x) for x in (tmp_path / "alerts.log").read_text().splitlines()]
     assert (line["alert"], line["status"]) == ("Quiet", "firing")
+    sched.start()  # a second start of the same scheduler is refused ...
+    try:
+        with pytest.raises(RuntimeError, match="already started"):
+            sched.start()
+    finally:
+        sched.shutdown()
+
+
+def test_each_evaluation_pushes_its_group_and_routes_every_alert(store: Store, tmp_path: Path) -> None:
+    """After a group's evaluation its firing alerts go to the Alertmanager (every evaluation,
+    leased for 4 intervals) and through the routing tree (once, then per repeat_interval); the
+    ``kvscope_alerts`` gauge counts pending and firing alerts."""
+    import httpx
+
+    from alerts.notifier import Notifier
+    from alerts.notify_config import parse_notify_config
+
+    posts: list[tuple[str, Any]] = []
+
+    def receive(request: httpx.Request) -> httpx.Response:
+        posts.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200)
+
+    notify = parse_notify_config(
+        {
+            "route": {"receiver": "hook", "group_wait": "0s", "group_interval": "1m", "repeat_interval": "1h"},
+            "receivers": [{"name": "hook", "webhook_configs": [{"url": "http://hook.test/x"}]}],
+            "alertmanagers": [{"url": "http://am.test"}],
+        },
+        source="n.yaml",
+        data_dir=tmp_path,
+    )
+    registry = CollectorRegistry()
+    notifier = Notifier(
+        store=store, config=notify, registry=registry, external_url="http://agent",
+        client=httpx.Client(transport=httpx.MockTransport(receive)),
+    )  # fmt: skip
+    drop = rules(interval="1m")
+    sched = RuleScheduler(store=store, rules=drop, log_path=tmp_path / "alerts.log", registry=registry, notifier=notifier)
+    requests(store, *((T - 600 - 60 * i, 1000, 900) for i in range(10)), *((T - 10 - 60 * i, 1000, 300) for i in range(5)))
+    sched.restore(T)
+    sched.run_group(drop.groups[0], T)
+    assert posts == [] and registry.get_sample_value("kvscope_alerts", {"alertname": "Drop", "alertstate": "pending"}) == 1
+    requests(store, (T + 50, 1000, 300), (T + 110, 1000, 300))
+    [fired] = sched.run_group(drop.groups[0], T + 120)
+    assert fired.status == Status.FIRING
+    assert [path for path, _ in posts] == ["/api/v2/alerts", "/x"]
+    am_alert = posts[0][1][0]
+    assert am_alert["labels"] == {"alertname": "Drop", "engine": "e1", "model": "m1", "severity": "page"}
+    assert am_alert["annotations"] == {"summary": "e1 at 0.3"} and am_alert["endsAt"] == "2027-01-15T08:06:00Z"  # 4 × 1m
+    assert posts[1][1]["alerts"][0]["fingerprint"] == fired.fingerprint
+    sched.run_group(drop.groups[0], T + 180)
+    assert [path for path, _ in posts] == ["/api/v2/alerts", "/x", "/api/v2/alerts"]  # re-pushed, not re-paged
+    assert registry.get_sample_value("kvscope_alerts", {"alertname": "Drop", "alertstate": "firing"}) == 1
 
 
 # -- regressions from the review --------------------------------------------------------------------
@@ -165,15 +220,3 @@ def test_a_retired_engine_resolves_its_silence(store: Store, tmp_path: Path) -> 
     sched.restore(T)
     assert [n.status for n in sched.run_group(sched.rules.groups[0], T + 600)] == [Status.FIRING]
     assert [n.status for n in sched.run_group(sched.rules.groups[0], T + 7200)] == [Status.RESOLVED]
-
-
-def test_the_built_in_rule_keeps_to_its_own_alerts(store: Store, tmp_path: Path) -> None:
-    from alerts.scheduler import load_state
-
-    requests(store, *((T - 600 - 60 * i, 1000, 900) for i in range(10)), *((T - 10 - 60 * i, 1000, 300) for i in range(5)))
-    sched = scheduler(store, tmp_path, rules())
-    sched.restore(T)
-    sched.run_group(sched.rules.groups[0], T)
-    sched.run_group(sched.rules.groups[0], T + 120)
-    assert load_state(store, ["RecoverableHitRateLow"]) == {}
-    assert len(load_state(store)) == 1

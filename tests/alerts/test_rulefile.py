@@ -47,7 +47,10 @@ def test_the_default_file_has_every_built_in_kind() -> None:
     assert drop.settings == HitRateDrop(window=300.0, baseline_window=3600.0, min_prompt_tokens=10_000)
     assert (drop.for_seconds, drop.keep_firing_for_seconds, drop.severity) == (120.0, 300.0, "page")
     slo = next(r for r in rules.rules if r.alert == "RecoverableHitRateSLO")
-    assert isinstance(slo.settings, HitRateBelow) and slo.settings.windows == DEFAULT_BURN_WINDOWS
+    assert isinstance(slo.settings, HitRateBelow) and slo.settings.objective == 0.5
+    # the SRE workbook's windows, with burn rates a 50% budget can reach
+    assert [(w.long, w.short) for w in slo.settings.windows] == [(w.long, w.short) for w in DEFAULT_BURN_WINDOWS]
+    assert [w.burn_rate for w in slo.settings.windows] == [1.8, 1.5, 1.2]
     assert [g.interval_seconds for g in rules.groups] == [None, None]
 
 
@@ -100,7 +103,6 @@ def test_burn_windows_and_settings_from_yaml() -> None:
         ({"expr": "SELECT 1; SELECT 2"}, "field expr: exactly one statement"),
         ({"expr": {"query": "nope"}}, "field expr: unknown query 'nope'"),
         ({"expr": {"query": "totals"}}, "field expr: named query totals returns no value column"),
-        ({"alert": "RecoverableHitRateLow", "kind": "engine_silent"}, "is the agent's built-in rule"),
         ({"expr": {"query": "totals", "params": {"bogus": 1}}}, "field expr: parameter 'bogus': unknown parameter of query totals"),
         ({"kind": "engine_silent", "labels": {}}, "field labels.severity: required"),
         ({"kind": "engine_silent", "labels": {"severity": "urgent"}}, "field labels.severity: required"),
