@@ -26,21 +26,23 @@ test: $(STAMP)
 	$(MAKE) lint
 	$(MAKE) pytest
 
-## What the e2e tests run besides Python: Debian's `prometheus` (prometheus + promtool). Installed
-## only as root (as CI runs) and only when missing; otherwise nothing happens and those tests skip.
-## apt-get update runs only if the first install fails; while installing, a temporary policy-rc.d
-## (unless one exists) keeps the package from starting its daemon.
-APT_PROMETHEUS := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus
+## What the e2e tests run besides Python: Debian's `prometheus` (prometheus + promtool) and
+## `prometheus-alertmanager`. Installed only as root (as CI runs) and only when missing; otherwise
+## nothing happens and those tests skip. apt-get update runs only if the first install fails;
+## while installing, a temporary policy-rc.d (unless one exists) keeps the packages from starting
+## their daemons.
+SERVICE_PACKAGES := prometheus prometheus-alertmanager
+APT_SERVICES := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(SERVICE_PACKAGES)
 
 services:
-	@if [ "$$(id -u)" = 0 ] && { [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/promtool ]; }; then \
+	@if [ "$$(id -u)" = 0 ] && { [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/promtool ] || [ ! -x /usr/bin/prometheus-alertmanager ]; }; then \
 		set -e; \
 		if [ ! -e /usr/sbin/policy-rc.d ]; then \
 			trap 'rm -f /usr/sbin/policy-rc.d' EXIT; \
 			printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
 			chmod +x /usr/sbin/policy-rc.d; \
 		fi; \
-		$(APT_PROMETHEUS) || { apt-get update && $(APT_PROMETHEUS); }; \
+		$(APT_SERVICES) || { apt-get update && $(APT_SERVICES); }; \
 	fi
 
 lint: $(STAMP)

@@ -63,6 +63,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _squeeze(text: str) -> object:
+    from kvscope.replaying import PoolSqueeze
+
+    try:
+        return PoolSqueeze.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="kvscope_hybrid-small", help="preset name or model directory (default: %(default)s, trained)")
     p.add_argument("--speed", type=_positive_float, default=30.0, help="trace seconds per wall second (default: %(default)s)")
@@ -106,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--exit-when-done", action="store_true", help="stop agent and dashboard after the replay")
     up.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help="evaluate rule groups without their own interval every N s instead of every minute")
     up.add_argument("--alert-rules", type=Path, default=None, help="the agent's alert rule file (default: the shipped alerts/default_rules.yaml)")
+    up.add_argument("--squeeze-window-pool", type=_squeeze, default=None, metavar="START:DURATION", help="drill: from START s into the replay, for DURATION s, the swa_window pool keeps no cached pages, so the recoverable hit rate drops and the alerts fire, then resolve")
     up.add_argument("--alert-notify", type=Path, default=None, help="the agent's notification file: routes, receivers, Alertmanagers (default: the shipped alerts/default_notify.yaml)")
     _add_replay_flags(up)
 
@@ -277,6 +287,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         alert_interval_seconds=args.alert_interval_seconds,
         alert_rules=args.alert_rules,
         alert_notify=args.alert_notify,
+        squeeze=args.squeeze_window_pool,
     )
     try:
         return run_up(opts)

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from agent.client import AgentClient, AgentError
 from engine.cache import CacheConfig
 from engine.config import HybridConfig
+from engine.events import Form
 from engine.llm import LLM
 from engine.outputs import RequestOutput
 from engine.telemetry import TelemetryClient
@@ -60,6 +61,37 @@ class _RollingRate:
         return f"last {len(self._rows)} requests: recoverable {100 * rec:5.1f}% (raw {100 * raw:5.1f}%)"
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolSqueeze:
+    """A drill: from ``start_seconds`` after the replay began, for ``duration_seconds``, the
+    ``swa_window`` pool keeps at most ``max_cached_blocks`` cached pages (evictions start, the
+    windows behind cached prefixes are lost, the recoverable hit rate drops); then the cap is
+    lifted and the cache refills. Checked after every request."""
+
+    start_seconds: float
+    duration_seconds: float
+    max_cached_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.start_seconds >= 0 and self.duration_seconds > 0 and self.max_cached_blocks >= 0):
+            raise ValueError("a squeeze needs start >= 0, duration > 0 and max_cached_blocks >= 0")
+
+    @classmethod
+    def parse(cls, text: str) -> PoolSqueeze:
+        """``START:DURATION`` in seconds, e.g. ``60:90``.
+
+        Raises:
+            ValueError: not two numbers, or out of range.
+        """
+        start, sep, duration = text.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            return cls(start_seconds=float(start), duration_seconds=float(duration))
+        except ValueError:
+            raise ValueError(f"{text!r} is not START:DURATION in seconds (such as 60:90)") from None
+
+
 def run_replay(
     *,
     model: str | HybridConfig,
@@ -71,6 +103,7 @@ def run_replay(
     console: Console,
     stop: threading.Event | None = None,
     spool_dir: Path | None = None,
+    squeeze: PoolSqueeze | None = None,
 ) -> ReplayRun:
     """Replay ``requests`` through a fresh engine, showing progress on ``console``.
 
@@ -78,15 +111,23 @@ def run_replay(
     ``spool_dir`` while the agent cannot take them); the telemetry is flushed before this
     returns, and ``lost_events`` counts the events dropped or rejected on the way.
 
+    With ``squeeze`` the ``swa_window`` pool is squeezed for a while (:class:`PoolSqueeze`).
+
     Raises:
-        ValueError: an unknown model or a cache configuration the model cannot use.
+        ValueError: an unknown model or a cache configuration the model cannot use, or a squeeze
+            of a model without a ``swa_window`` pool.
     """
     sink: TelemetryClient | None = None
     if agent_url is not None:  # events the agent cannot take yet wait in <spool_dir>/<engine id>.spool
         spool = spool_dir / f"{engine_id}.spool" if spool_dir is not None else None
         sink = TelemetryClient(agent_url, engine_id, spool_path=spool)
     llm = LLM(model, cache=cache, telemetry=sink, engine_id=engine_id)
+    if squeeze is not None and not any(f.form is Form.SWA_WINDOW for f in llm.cache.kv_forms):
+        llm.close(timeout_seconds=60)
+        raise ValueError("--squeeze-window-pool needs a model with sliding-window layers (a swa_window pool)")
     console.print(llm.cache.memory_plan().render(), markup=False, highlight=False)
+    started = time.monotonic()
+    squeezed = False
     total = min(len(requests), config.max_requests or len(requests))
     rolling = _RollingRate()
     columns = (
@@ -101,8 +142,17 @@ def run_replay(
             task = progress.add_task("replay", total=total, rate="")
 
             def on_request(done: int, _total: int, _req: TraceRequest, out: RequestOutput | None) -> None:
+                nonlocal squeezed
                 if out is not None:
                     rolling.add(out)
+                if squeeze is not None:
+                    elapsed = time.monotonic() - started
+                    due = squeeze.start_seconds <= elapsed < squeeze.start_seconds + squeeze.duration_seconds
+                    if due != squeezed:
+                        squeezed = due
+                        evicted = llm.cache.limit_cached(Form.SWA_WINDOW, squeeze.max_cached_blocks if due else None)
+                        what = f"squeezed to {squeeze.max_cached_blocks} cached pages ({evicted} evicted)" if due else "released"
+                        console.print(f"swa_window pool {what} at {elapsed:.0f} s")
                 progress.update(task, completed=done, rate=rolling.text())
 
             tally = replay(llm, requests, config, on_request=on_request, stop=stop)

@@ -26,14 +26,15 @@ import duckdb
 from rich.console import Console
 
 from agent.store import lock_holder
-from alerts.rulefile import DEFAULT_RULES_PATH
+from alerts.notify_config import DEFAULT_NOTIFY_PATH, load_notify_config
+from alerts.rulefile import DEFAULT_RULES_PATH, load_rule_file
 from engine.cache import CacheConfig
 from engine.llm import check_cache_config
 from engine.presets import check_model_ref
 from engine.trace.formats import TraceError, load_trace
 from engine.trace.replay import ReplayConfig
 from kvscope.data import bundled_trace
-from kvscope.replaying import new_engine_id, run_replay, stored_summary
+from kvscope.replaying import PoolSqueeze, new_engine_id, run_replay, stored_summary
 from kvscope.services import ServiceError, ServiceGroup, port_is_free
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class UpOptions:
     """The agent's rule file (None: the shipped default, ``alerts/default_rules.yaml``)."""
     alert_notify: Path | None = None
     """The agent's notification file (None: the shipped default, ``alerts/default_notify.yaml``)."""
+    squeeze: PoolSqueeze | None = None
+    """A window-pool squeeze drill during the replay (None: none)."""
 
 
 def run_up(opts: UpOptions) -> int:
@@ -66,6 +69,8 @@ def run_up(opts: UpOptions) -> int:
         raise TraceError(f"{trace_path}: the trace holds no requests")
     check_model_ref(opts.model)  # an unknown model fails before anything starts
     check_cache_config(opts.model, opts.cache)  # so does a cache the model cannot use
+    load_rule_file(opts.alert_rules or DEFAULT_RULES_PATH)  # and a bad rule or notification file
+    load_notify_config(opts.alert_notify or DEFAULT_NOTIFY_PATH, data_dir=opts.data_dir)
     if opts.data_dir.exists() and not opts.data_dir.is_dir():
         raise ValueError(f"--data-dir {opts.data_dir} is a file, not a directory")
     for name, port in (("agent", opts.agent_port), ("dashboard", opts.dashboard_port)):
@@ -120,6 +125,7 @@ def run_up(opts: UpOptions) -> int:
             console=err,
             stop=stop,
             spool_dir=opts.data_dir / "spool",
+            squeeze=opts.squeeze,
         )
         summary, consistent = stored_summary(agent_url, run, err)
         if summary is None:

@@ -123,6 +123,9 @@ class BlockPool:
         sets it while it plans a resume that would swap them in)."""
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
         self._evicted_memory = EVICTED_MEMORY_FACTOR * num_blocks
+        self.max_cached: int | None = None
+        """Most evictable (``CACHED``) blocks kept; beyond it a released block evicts the least
+        valuable one at once, as a smaller pool would (None: no cap). See :meth:`limit_cached`."""
 
     # -- queries -------------------------------------------------------------------------------
     def lookup(self, h: BlockHash) -> int | None:
@@ -253,8 +256,30 @@ class BlockPool:
             if group is not None:
                 self._group_of[block] = group
                 self._members.setdefault(group, set()).add(block)
+            self._trim()
         else:
             self._free_front(block)
+
+    def limit_cached(self, max_cached: int | None) -> int:
+        """Keep at most ``max_cached`` evictable blocks from now on (None lifts the cap), evicting
+        the excess at once in the usual victim order; returns how many were evicted. The pool then
+        behaves as one whose spare capacity shrank (operators shrink a pool this way; so does the
+        ``up --squeeze-window-pool`` drill). Leased blocks are never touched.
+
+        Raises:
+            ValueError: a negative cap.
+        """
+        if max_cached is not None and max_cached < 0:
+            raise ValueError(f"{self.name}: max_cached must be >= 0 or None, got {max_cached}")
+        self.max_cached = max_cached
+        return self._trim()
+
+    def _trim(self) -> int:
+        evicted = 0
+        while self.max_cached is not None and self._num_evictable > self.max_cached:
+            self._evict(self._next_victim())
+            evicted += 1
+        return evicted
 
     def publish(self, block: int, h: BlockHash) -> bool:
         """Make a leased, fully written block findable under ``h`` (``WRITING → RESIDENT``).

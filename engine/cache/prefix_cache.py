@@ -378,6 +378,18 @@ class PrefixCache:
             return 0
         return (self.config.linear_checkpoints - self.linear.pool.num_blocks) * self.linear.bytes_per_block
 
+    def limit_cached(self, form: Form, max_cached_blocks: int | None) -> int:
+        """Cap the evictable pages the paged pool of ``form`` (``full_kv`` or ``swa_window``) keeps
+        cached (None lifts the cap): :meth:`BlockPool.limit_cached`. Returns the pages evicted now.
+
+        Raises:
+            ValueError: the model has no paged pool for ``form``, or a negative cap.
+        """
+        pools = [f.pool for f in self.kv_forms if f.form is form]
+        if not pools:
+            raise ValueError(f"this model has no paged {form} pool (it has: {', '.join(f.form for f in self.kv_forms) or 'none'})")
+        return sum(pool.limit_cached(max_cached_blocks) for pool in pools)
+
     def memory_plan(self) -> MemoryPlan:
         budget, tokens = self.budget if self.budget is not None else (None, 0)
         pools = self.pool_plans()

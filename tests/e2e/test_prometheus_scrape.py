@@ -7,13 +7,9 @@ Run it as ``make test`` does (``python -m pytest``): it imports the shared test 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +19,7 @@ import pytest
 
 from tests.agent.agent_testdata import lookup_event
 from tests.agent_process import ROOT, agent_command, agent_env
+from tests.e2e.procs import start, stop, wait_for
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
@@ -87,48 +84,6 @@ def lookups(ts: float) -> list[dict[str, Any]]:
             recoverable_tokens=600,
         ),
     ]
-
-
-def wait_for(
-    what: str, proc: subprocess.Popen[bytes], timeout: float, probe: Callable[[], Any]
-) -> Any:
-    """Poll ``probe`` until it returns something truthy; fail if ``proc`` dies or time runs out."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"{what}: the process exited with {proc.returncode}"
-        try:
-            result = probe()
-        except httpx.TransportError:
-            result = None
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.1)
-
-
-def start(cmd: list[str], log: Path, **kwargs: Any) -> subprocess.Popen[bytes]:
-    """``cmd`` in its own process group, stdout and stderr to ``log``."""
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            **kwargs,
-        )
-
-
-def stop(proc: subprocess.Popen[bytes] | None, grace: float = 10) -> None:
-    """SIGTERM to ``proc``'s process group, SIGKILL after ``grace`` seconds."""
-    if proc is None or proc.poll() is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace)
-            return
 
 
 @pytest.mark.skipif(

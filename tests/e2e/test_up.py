@@ -192,6 +192,9 @@ def test_replay_sends_its_events_to_an_agent(tmp_path: Path) -> None:
         (["--agent-port", "70000"], "is not a TCP port"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--data-dir", "FILE"], "is a file, not a directory"),
+        (["--squeeze-window-pool", "soon"], "is not START:DURATION in seconds"),
+        (["--alert-rules", "FILE"], "FILE: expected a mapping"),
+        (["--alert-notify", "FILE"], "missing field 'route'"),
     ],
 )
 def test_up_rejects_bad_options_before_starting_anything(tmp_path: Path, args: list[str], message: str) -> None:

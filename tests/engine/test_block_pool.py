@@ -250,3 +250,31 @@ def test_check_invariants_names_pool_block_and_state() -> None:
         pool.check_invariants()
     pool.block_hash[b] = None
     pool.check_invariants()
+
+
+def test_limit_cached_evicts_the_excess_in_victim_order_and_lifts() -> None:
+    pool, index = make_pool(6)
+    a, b, c, d = (pool.allocate() for _ in range(4))
+    for blk, h in ((a, b"A"), (b, b"B"), (c, b"C")):
+        pool.publish(blk, h)
+    pool.release(b)
+    pool.release(a, priority=1)  # worth more: evicted last
+    pool.release(c)
+    assert pool.limit_cached(1) == 2  # B (least recent at priority 0), then C
+    assert (pool.lookup(b"B"), pool.lookup(b"C"), pool.lookup(b"A")) == (None, None, a)
+    assert index.holders(b"B") == 0 and pool.evictions == 2
+    pool.publish(d, b"D")
+    pool.release(d)  # over the cap again: the lowest-priority victim (D itself) goes at once
+    assert pool.lookup(b"D") is None and pool.lookup(b"A") == a
+    pool.lease(a)  # leased blocks are never evicted by the cap
+    assert pool.limit_cached(0) == 0 and pool.lookup(b"A") == a
+    pool.release(a)
+    assert pool.lookup(b"A") is None
+    assert pool.limit_cached(None) == 0
+    e = pool.allocate()
+    pool.publish(e, b"E")
+    pool.release(e)
+    assert pool.lookup(b"E") == e
+    with pytest.raises(ValueError):
+        pool.limit_cached(-1)
+    pool.check_invariants()

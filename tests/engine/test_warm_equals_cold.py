@@ -147,3 +147,27 @@ def test_bad_prompts_are_rejected_clearly() -> None:
         small.score(tokens(100, 17))
     with pytest.raises(ValueError, match="swa_blocks"):
         LLM(cache=CacheConfig(swa_blocks=4))
+
+
+def test_a_squeezed_window_pool_falls_back_then_refills() -> None:
+    """``limit_cached(SWA_WINDOW, 0)`` (the ``up --squeeze-window-pool`` drill) evicts every
+    cached window page at once and keeps none after each request: a follow-up cannot resume on
+    its window (``swa_evicted``) and equals cold; lifting the cap lets the cache refill."""
+    llm = LLM(cache=SMALL, check_invariants=True, telemetry=ListSink())
+    a = tokens(160, 21)
+    assert_warm_equals_cold(llm, a)
+    assert llm.cache.limit_cached(Form.SWA_WINDOW, 0) > 0
+    pool = next(f.pool for f in llm.cache.kv_forms if f.form is Form.SWA_WINDOW)
+    assert pool.num_cached == 0
+    out = assert_warm_equals_cold(llm, a + tokens(20, 22))
+    assert (out.cache.form(Form.SWA_WINDOW).reason, out.cache.limiting_form) == (Reason.SWA_EVICTED, Form.SWA_WINDOW)
+    assert pool.num_cached == 0  # released pages were evicted at once
+    assert llm.cache.limit_cached(Form.SWA_WINDOW, None) == 0
+    b = tokens(160, 23)
+    assert_warm_equals_cold(llm, b)
+    again = assert_warm_equals_cold(llm, b + tokens(20, 24))
+    assert again.cache.form(Form.SWA_WINDOW).outcome == Outcome.HIT and again.resume_tokens > 0
+    with pytest.raises(ValueError, match="max_cached must be >= 0"):
+        llm.cache.limit_cached(Form.SWA_WINDOW, -1)
+    with pytest.raises(ValueError, match="no paged linear_state pool"):
+        llm.cache.limit_cached(Form.LINEAR_STATE, 0)

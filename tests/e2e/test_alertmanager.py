@@ -1,0 +1,181 @@
+"""Issue 7's acceptance against a real Alertmanager (Debian's ``prometheus-alertmanager``): a
+recoverable-hit-rate drop injected into a running ``kvscope up`` (the ``swa_window`` pool
+squeezed to no cached pages, so evictions start and no resume point survives) reaches a webhook
+the test runs, through Alertmanager, within two evaluation intervals after the rule's ``for``;
+its resolve arrives after the pool is released and the hit rate recovers. Intervals are
+second-scale; everything listens on 127.0.0.1 and is stopped by PID.
+
+Run it as ``make test`` does (``python -m pytest``): it imports the shared test helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.agent_process import ROOT, agent_env
+from tests.e2e.procs import start, stop, wait_for
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.e2e
+
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager") or ""
+MISSING = "install Debian's `prometheus-alertmanager` package (`apt-get install prometheus-alertmanager`; `make test` does it as root)"
+
+INTERVAL = 1.0
+FOR = 2.0
+RULES = f"""\
+groups:
+  - name: drill
+    interval: {INTERVAL:g}s
+    rules:
+      - alert: RecoverableHitRateDrop
+        kind: recoverable_hit_rate_drop
+        window: 10s
+        baseline: trailing
+        baseline_window: 20s
+        fire_relative_drop: 0.7
+        fire_absolute_drop: 0.4
+        clear_relative_drop: 0.3
+        clear_absolute_drop: 0.2
+        min_prompt_tokens: 10000
+        for: {FOR:g}s
+        keep_firing_for: 2s
+        labels: {{severity: page}}
+        annotations:
+          summary: "Recoverable hit rate on {{{{ $labels.engine }}}} fell to {{{{ $value | humanizePercentage }}}}"
+"""
+NOTIFY = """\
+route: {{receiver: log, group_wait: 0s, group_interval: 1s}}
+receivers: [{{name: log, log_configs: [{{path: notifications.jsonl}}]}}]
+alertmanagers: [{{url: "http://127.0.0.1:{port}"}}]
+delivery: {{lease_intervals: 10, resolve_resend: 30s}}
+"""
+ALERTMANAGER_YML = """\
+route:
+  receiver: hook
+  group_by: [alertname, engine]
+  group_wait: 1s
+  group_interval: 1s
+  repeat_interval: 1h
+receivers:
+  - name: hook
+    webhook_configs:
+      - url: http://127.0.0.1:{port}/hook
+        send_resolved: true
+"""
+SQUEEZE_AT, SQUEEZE_FOR = 30, 25
+
+
+class Hook:
+    """The on-call webhook: records (arrival time, Alertmanager's webhook payload)."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[float, dict[str, Any]]] = []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                hook.received.append((time.time(), json.loads(body)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def alerts(self, status: str) -> list[tuple[float, dict[str, Any]]]:
+        return [(at, a) for at, body in self.received for a in body["alerts"] if a["status"] == status]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.skipif(not ALERTMANAGER, reason=f"Alertmanager not found: {MISSING}")
+def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path: Path) -> None:
+    hook = Hook()
+    am_port, agent_port = free_port(), free_port()
+    (tmp_path / "alertmanager.yml").write_text(ALERTMANAGER_YML.format(port=hook.port))
+    (tmp_path / "rules.yaml").write_text(RULES)
+    (tmp_path / "notify.yaml").write_text(NOTIFY.format(port=am_port))
+    data = tmp_path / "data"
+    alertmanager = up = None
+    try:
+        alertmanager = start(
+            [
+                ALERTMANAGER,
+                f"--config.file={tmp_path / 'alertmanager.yml'}",
+                f"--storage.path={tmp_path / 'am'}",
+                f"--web.listen-address=127.0.0.1:{am_port}",
+                "--cluster.listen-address=",
+            ],
+            tmp_path / "alertmanager.log",
+        )
+        wait_for(
+            "alertmanager /-/ready", alertmanager, 30,
+            lambda: httpx.get(f"http://127.0.0.1:{am_port}/-/ready", timeout=1).status_code == 200,
+        )  # fmt: skip
+        up = start(
+            [
+                sys.executable, "-m", "kvscope", "up", "--no-dashboard", "--exit-when-done", "--json",
+                "--data-dir", str(data), "--agent-port", str(agent_port), "--max-requests", "300",
+                "--alert-rules", str(tmp_path / "rules.yaml"), "--alert-notify", str(tmp_path / "notify.yaml"),
+                "--squeeze-window-pool", f"{SQUEEZE_AT}:{SQUEEZE_FOR}",
+            ],
+            tmp_path / "up.log",
+            cwd=ROOT,
+            env=agent_env(),
+        )  # fmt: skip
+        # bounded: the replay of 300 requests, the drill inside it, then the resolve
+        deadline = time.monotonic() + 420
+        while not hook.alerts("resolved"):
+            assert time.monotonic() < deadline, "no resolve reached the webhook"
+            if up.poll() is not None:
+                time.sleep(3)  # the last resolve may still be on its way through Alertmanager
+                break
+            time.sleep(0.2)
+        up_rc = up.wait(timeout=120)
+    finally:
+        stop(up)
+        stop(alertmanager)
+        hook.close()
+    log = (tmp_path / "up.log").read_text()
+    assert up_rc == 0, log[-3000:]
+    assert "swa_window pool squeezed to 0 cached pages" in log and "swa_window pool released" in log
+    transitions = [json.loads(line) for line in (data / "alerts.log").read_text().splitlines()]
+    assert [t["status"] for t in transitions] == ["firing", "resolved"], transitions
+    fired, resolved = transitions
+    assert fired["value"] < 0.2 and fired["labels"]["severity"] == "page"
+    # the page: one firing alert through Alertmanager, within two evaluation intervals (plus
+    # Alertmanager's own group_wait of 1 s) of the evaluation that fired it after `for`
+    firing = hook.alerts("firing")
+    assert firing, hook.received
+    assert {a["fingerprint"] for _, a in firing} and {a["labels"]["alertname"] for _, a in firing} == {"RecoverableHitRateDrop"}
+    first_page = min(at for at, _ in firing)
+    assert first_page - fired["at"] <= 2 * INTERVAL + 1.0, (first_page, fired["at"])
+    assert firing[0][1]["labels"]["engine"] == fired["labels"]["engine"]
+    assert "fell to" in firing[0][1]["annotations"]["summary"]
+    # no page before the drill started, no second page for the same alert
+    assert len({at for at, _ in firing}) == 1, [at for at, _ in firing]
+    # the resolve arrives after recovery (the pool was released first)
+    resolves = hook.alerts("resolved")
+    assert len(resolves) == 1 and resolves[0][0] >= resolved["at"] > fired["at"]
+    assert resolves[0][1]["labels"] == firing[0][1]["labels"]
+    # and the agent's own log receiver got the same page and resolve once each
+    notified = [json.loads(line) for line in (data / "notifications.jsonl").read_text().splitlines()]
+    assert [n["status"] for n in notified] == ["firing", "resolved"]
