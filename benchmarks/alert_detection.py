@@ -132,7 +132,7 @@ def score(pages: list[tuple[str, int]], events: list[Incident]) -> tuple[dict[st
         hits = [m for engine, m in pages if engine == "e1" and incident.start < m <= incident.end + GRACE_MINUTES]
         if incident.should_page:
             detection[incident.name] = (min(hits) - incident.start) if hits else None
-            explained.update((("e1", m) for m in hits))
+            explained.update(("e1", m) for m in hits)
     false = [p for p in pages if p not in explained]
     return detection, len(false)
 
@@ -153,9 +153,11 @@ def main(argv: list[str] | None = None) -> None:
         lag=5,
         series=tuple(
             GoldenSeries(
-                kind="requests", labels={"engine": engine, "model": "m1"}, step=MINUTE,
+                kind="requests",
+                labels={"engine": engine, "model": "m1"},
+                step=MINUTE,
                 values={"prompt_tokens": prompts, "recoverable_tokens": recs},
-            )  # fmt: skip
+            )
             for engine, (prompts, recs) in series.items()
         ),
     )
