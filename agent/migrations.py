@@ -245,9 +245,12 @@ MIGRATIONS: tuple[Migration, ...] = (
             """
             CREATE TABLE alert_groups (
                 group_key VARCHAR PRIMARY KEY,
+                receiver VARCHAR NOT NULL,
+                group_labels VARCHAR NOT NULL,
                 created_at DOUBLE NOT NULL,
                 last_sent_at DOUBLE,
                 last_firing VARCHAR NOT NULL,
+                delivered VARCHAR NOT NULL,
                 updated_at TIMESTAMP NOT NULL
             )
             """,

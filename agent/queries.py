@@ -298,15 +298,20 @@ RECENT_REQUESTS = NamedQuery(
 
 ALERTS_RECENT = NamedQuery(
     name="alerts_recent",
-    description="The latest alert transitions (firing, resolved), newest first.",
+    description=(
+        "The latest alert rows, newest first: transitions (firing, resolved), delivered notifications "
+        "and failed deliveries (event, receiver, error)."
+    ),
     sql="""
-    SELECT ts, alert, fingerprint, state, value, labels, summary, description
+    SELECT ts, alert, fingerprint, state, value, labels, summary, description, event, receiver, error
     FROM alerts
     ORDER BY ts DESC, fingerprint
     LIMIT $limit
     """,
     params=(_LIMIT,),
-    columns=("ts", "alert", "fingerprint", "state", "value", "labels", "summary", "description"),
+    columns=(
+        "ts", "alert", "fingerprint", "state", "value", "labels", "summary", "description", "event", "receiver", "error",
+    ),
 )
 
 INGEST_SEQ_GAPS = NamedQuery(

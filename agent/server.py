@@ -60,12 +60,13 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
             )
         )
         maintenance = MaintenanceScheduler(store, config, metrics)
+        notifier = Notifier(store=store, config=notify, registry=metrics.registry, external_url=config.agent_url)
         rule_scheduler = RuleScheduler(
             store=store,
             rules=rules,
             log_path=config.alert_log_path,
             registry=metrics.registry,
-            notifier=Notifier(store=store, config=notify, registry=metrics.registry, external_url=config.agent_url),
+            notifier=notifier,
             lag_seconds=config.alert_ingest_lag_seconds,
             interval_seconds=config.alert_interval_seconds,
             row_limit=config.sql_row_limit,
@@ -78,6 +79,7 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
                 server.run()
         finally:
             rule_scheduler.shutdown()
+            notifier.close()
             maintenance.shutdown()
             # normally done by the app's shutdown; not when the server never ran
             app.state.ingestor.close()

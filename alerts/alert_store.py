@@ -182,15 +182,35 @@ class NotifiedAlert:
     starts_at: float
 
 
-def load_groups(store: Store) -> tuple[dict[str, GroupState], dict[str, NotifiedAlert]]:
-    """The aggregation groups' states and the alerts their last notifications held firing."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupLog:
+    """One aggregation group's notification log entry: its routing state, the receiver and
+    grouping labels it notifies with, and per integration of that receiver the firing alerts it
+    last took and when (Alertmanager's nflog is per receiver integration as well, so a retry after
+    one integration failed does not repeat the others)."""
+
+    state: GroupState
+    receiver: str
+    group_labels: Mapping[str, str]
+    delivered: Mapping[str, tuple[frozenset[str], float]]
+
+
+def load_groups(store: Store) -> tuple[dict[str, GroupLog], dict[str, NotifiedAlert]]:
+    """The notification log, and the alerts its groups' last notifications held firing."""
     with store.cursor() as cur:
-        rows = cur.execute("SELECT group_key, created_at, last_sent_at, last_firing FROM alert_groups").fetchall()
-    groups: dict[str, GroupState] = {}
+        rows = cur.execute(
+            "SELECT group_key, receiver, group_labels, created_at, last_sent_at, last_firing, delivered FROM alert_groups"
+        ).fetchall()
+    groups: dict[str, GroupLog] = {}
     notified: dict[str, NotifiedAlert] = {}
-    for key, created, sent, firing_json in rows:
+    for key, receiver, labels, created, sent, firing_json, delivered_json in rows:
         firing = json.loads(firing_json)
-        groups[key] = GroupState(created_at=created, last_sent_at=sent, last_firing=frozenset(firing))
+        groups[key] = GroupLog(
+            state=GroupState(created_at=created, last_sent_at=sent, last_firing=frozenset(firing)),
+            receiver=receiver,
+            group_labels=json.loads(labels),
+            delivered={name: (frozenset(fps), at) for name, (fps, at) in json.loads(delivered_json).items()},
+        )
         for fp, doc in firing.items():
             notified[fp] = NotifiedAlert(
                 alert=doc["alert"], labels=doc["labels"], annotations=doc["annotations"], starts_at=doc["starts_at"]
@@ -200,25 +220,25 @@ def load_groups(store: Store) -> tuple[dict[str, GroupState], dict[str, Notified
 
 def save_groups(
     cur: duckdb.DuckDBPyConnection,
-    before: Mapping[str, GroupState],
-    after: Mapping[str, GroupState],
+    before: Mapping[str, GroupLog],
+    after: Mapping[str, GroupLog],
     notified: Mapping[str, NotifiedAlert],
     now: float,
 ) -> None:
-    """Write the group changes between ``before`` and ``after`` inside the caller's transaction;
+    """Write the changes between ``before`` and ``after`` inside the caller's transaction;
     ``notified`` must describe every fingerprint in a changed group's ``last_firing``.
 
     Raises:
         KeyError: a fingerprint ``notified`` does not describe (a caller bug).
     """
-    changed = {key: st for key, st in after.items() if before.get(key) != st}
+    changed = {key: log for key, log in after.items() if before.get(key) != log}
     dropped = [key for key in before if key not in after]
     if dropped or changed:
         cur.execute(
             "DELETE FROM alert_groups WHERE list_contains($keys, group_key)", {"keys": dropped + list(changed)}
         )
     at = to_timestamp(now)
-    for key, st in changed.items():
+    for key, log in changed.items():
         firing = {
             fp: {
                 "alert": notified[fp].alert,
@@ -226,11 +246,21 @@ def save_groups(
                 "annotations": dict(notified[fp].annotations),
                 "starts_at": notified[fp].starts_at,
             }
-            for fp in sorted(st.last_firing)
+            for fp in sorted(log.state.last_firing)
         }
+        delivered = {name: [sorted(fps), sent] for name, (fps, sent) in sorted(log.delivered.items())}
         cur.execute(
-            "INSERT INTO alert_groups VALUES ($key, $created, $sent, $firing, $at)",
-            {"key": key, "created": st.created_at, "sent": st.last_sent_at, "firing": json.dumps(firing), "at": at},
+            "INSERT INTO alert_groups VALUES ($key, $receiver, $labels, $created, $sent, $firing, $delivered, $at)",
+            {
+                "key": key,
+                "receiver": log.receiver,
+                "labels": json.dumps(dict(log.group_labels), sort_keys=True),
+                "created": log.state.created_at,
+                "sent": log.state.last_sent_at,
+                "firing": json.dumps(firing),
+                "delivered": json.dumps(delivered),
+                "at": at,
+            },
         )
 
 
@@ -240,7 +270,9 @@ class SilenceError(ValueError):
 
 
 def matcher_text(m: Matcher) -> str:
-    return f"{m.name}{m.op}{json.dumps(m.value)}"
+    """``m`` in the syntax :func:`alerts.routing.parse_matcher` reads back (``name="value"``)."""
+    escaped = m.value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{m.name}{m.op}"{escaped}"'
 
 
 def create_silence(
@@ -274,7 +306,7 @@ def create_silence(
             "INSERT INTO alert_silences VALUES ($id, $matchers, $starts, $ends, $by, $comment, $at, $at)",
             {
                 "id": silence.id,
-                "matchers": json.dumps([matcher_text(m) for m in parsed]),
+                "matchers": json.dumps([[m.name, m.op, m.value] for m in parsed], ensure_ascii=False),
                 "starts": starts_at,
                 "ends": ends_at,
                 "by": created_by,
@@ -295,9 +327,10 @@ def expire_silence(store: Store, silence_id: str, *, now: float) -> Silence:
         found = cur.execute("SELECT ends_at FROM alert_silences WHERE id = $id", {"id": silence_id}).fetchall()
         if not found:
             raise SilenceError(f"no silence with id {silence_id!r}")
-        if found[0][0] > now:
+        if found[0][0] > now:  # a pending one is expired too: it ends now, before it would start
             cur.execute(
-                "UPDATE alert_silences SET ends_at = greatest(starts_at + 1e-6, $now), updated_at = $at WHERE id = $id",
+                "UPDATE alert_silences SET starts_at = least(starts_at, $now - 0.001), ends_at = $now, "
+                "updated_at = $at WHERE id = $id",
                 {"id": silence_id, "now": now, "at": to_timestamp(now)},
             )
     return next(s for s in load_silences(store) if s.id == silence_id)
@@ -314,7 +347,7 @@ def load_silences(store: Store, *, ended_after: float | None = None) -> list[Sil
     return [
         Silence(
             id=sid,
-            matchers=tuple(parse_matcher(text) for text in json.loads(matchers)),
+            matchers=tuple(Matcher(name, op, value) for name, op, value in json.loads(matchers)),
             starts_at=starts,
             ends_at=ends,
             created_by=by,

@@ -140,11 +140,15 @@ def load_notify_config(path: str | Path, *, data_dir: Path) -> NotifyConfig:
     return parse_notify_config(read_yaml(path, "notification file", NotifyConfigError), source=str(path), data_dir=data_dir)
 
 
+NOTIFY_KEYS = frozenset({"route", "receivers", "inhibit_rules", "alertmanagers", "delivery"})
+"""The top-level keys of a notification file."""
+
+
 def parse_notify_config(raw: object, *, source: str, data_dir: Path) -> NotifyConfig:
     """Check an already parsed notification file (see :func:`load_notify_config`)."""
     if raw is None:
         raw = {}
-    top = _mapping(raw, source, {"route", "receivers", "inhibit_rules", "alertmanagers", "delivery"})
+    top = _mapping(raw, source, set(NOTIFY_KEYS))
     receivers: dict[str, Receiver] = {}
     for i, item in enumerate(_list(top.get("receivers", []), f"{source}: receivers")):
         receiver = _receiver(item, f"{source}: receivers[{i}]", data_dir)

@@ -73,11 +73,18 @@ def _common(maps: Sequence[Mapping[str, str]]) -> dict[str, str]:
 
 
 def webhook_payload(
-    d: Dispatch, *, now: float, external_url: str, starts_at: Mapping[str, float], max_alerts: int = 0
+    d: Dispatch,
+    *,
+    now: float,
+    external_url: str,
+    starts_at: Mapping[str, float],
+    max_alerts: int = 0,
+    ends_at: Mapping[str, float] | None = None,
 ) -> dict[str, object]:
     """Alertmanager's webhook payload (version 4) for one group notification; with
     ``max_alerts`` > 0 only the first that many alerts are listed (``truncatedAlerts`` counts
-    the rest)."""
+    the rest). A resolved alert's ``endsAt`` is when it resolved (``ends_at``, default ``now``)."""
+    ended = ends_at or {}
     everything = [*d.firing, *d.resolved]
     alerts = everything[:max_alerts] if max_alerts else everything
     return {
@@ -96,7 +103,7 @@ def webhook_payload(
                 "labels": dict(a.labels),
                 "annotations": dict(a.annotations),
                 "startsAt": rfc3339(starts_at.get(a.fingerprint, now)),
-                "endsAt": "0001-01-01T00:00:00Z" if a.firing else rfc3339(now),
+                "endsAt": "0001-01-01T00:00:00Z" if a.firing else rfc3339(ended.get(a.fingerprint, now)),
                 "generatorURL": external_url,
                 "fingerprint": a.fingerprint,
             }

@@ -34,8 +34,9 @@ Then Prometheus's alert state machine, per fingerprint (rule name + sorted label
 inactive → **pending** when active (straight to firing when ``for`` is 0) → **firing** once
 active for ``for`` → **resolved** once inactive for ``keep_firing_for``. A pending alert that
 turns inactive, loses its data or disappears goes back to inactive silently; one not evaluated
-for over an hour (an agent outage) starts its ``for`` over. **No data never resolves a firing
-alert** (an engine that stopped serving has not recovered). Hysteresis (the drop kind's clear
+for over an hour (an agent outage) starts its ``for`` over. **No data does not resolve a firing
+alert** (an engine that stopped serving has not recovered) — until it has lasted an hour
+(:data:`NO_DATA_RESOLVE_SECONDS`): then the series is gone, and its alert resolves. Hysteresis (the drop kind's clear
 thresholds) applies only once an alert fires. Exactly one notification per firing and per
 resolve; re-sending while firing is the receivers' job. Labels are the series' labels overridden
 by the rule's. Inactive alerts are not kept; resolved ones for 15 minutes; the firing alerts of
@@ -161,6 +162,11 @@ RESOLVED_RETENTION_SECONDS = 900.0
 OUTAGE_TOLERANCE_SECONDS = 3600.0
 """A pending alert not evaluated for longer than this (an agent outage) starts its ``for`` over,
 as Prometheus's ``rules.alert.for-outage-tolerance``."""
+
+
+NO_DATA_RESOLVE_SECONDS = 3600.0
+"""A firing alert whose series has had no data for this long resolves: the series is gone (an
+engine restarted under a new id), not merely quiet."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -353,6 +359,9 @@ def _step(
     if v.active is None:  # no data: firing stays firing, pending falls back silently
         if before is None or status == Status.PENDING:
             return None, None
+        if status == Status.FIRING and before.evaluated_at is not None and now - before.evaluated_at >= NO_DATA_RESOLVE_SECONDS:
+            # its series is gone (an engine restarted under a new id, or was retired)
+            return replace(before, status=Status.RESOLVED, active_since=None, inactive_since=None, resolved_at=now), Status.RESOLVED
         if status == Status.RESOLVED and before.resolved_at is not None and now - before.resolved_at >= RESOLVED_RETENTION_SECONDS:
             return None, None
         return before, None

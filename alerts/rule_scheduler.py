@@ -212,6 +212,7 @@ class RuleScheduler:
         """Evaluate one group at ``now`` (default: the clock), then notify; returns the group's
         transitions (firing, resolved)."""
         now = self.clock() if now is None else now
+        started = time.monotonic()
         inputs: dict[str, Mapping[Labels, SeriesInput]] = {}
         evaluated = []
         for rule in group.rules:
@@ -243,26 +244,36 @@ class RuleScheduler:
             for fp in before:
                 self._state.pop(fp, None)
             self._state.update(after)
-            everything = list(self._state.values())
+            mine = [st for st in self._state.values() if st.alert in {rule.alert for rule in group.rules}]
         for n in notes:
             log.warning("alert %s %s %s", n.alert, n.status.value, n.annotations.get("summary", ""))
-        append_log(self.log_path, notes)
+        try:
+            append_log(self.log_path, notes)
+        except OSError as exc:  # the transitions are in the store; do not hold back the pages
+            log.error("cannot append to the transition log %s: %s", self.log_path, exc)
         self._set_gauge()
         if self.notifier is not None:
-            self._notify(group, everything, now)
+            self._notify(group, mine, now, started)
         return notes
 
-    def _notify(self, group: RuleGroup, everything: list[AlertState], now: float) -> None:
+    def _notify(self, group: RuleGroup, mine: list[AlertState], now: float, started: float) -> None:
+        """Push the group's alerts to the Alertmanagers, then route every alert, all within 80%
+        of the group's interval from the start of its evaluation."""
         interval = self.interval_of(group)
-        budget = 0.8 * interval
-        outgoing = [o for o in (self.outgoing(st) for st in everything) if o is not None]
-        names = {rule.alert for rule in group.rules}
+        deadline = started + 0.8 * interval
         assert self.notifier is not None
         try:
-            self.notifier.push([o for o in outgoing if o.name in names], now, interval_seconds=interval, budget_seconds=budget / 2)
-            self.notifier.route(outgoing, now, budget_seconds=budget / 2)
+            pushed = [o for o in (self.outgoing(st) for st in mine) if o is not None]
+            self.notifier.push(
+                pushed, now, interval_seconds=interval, deadline=time.monotonic() + max(deadline - time.monotonic(), 0.0) / 2
+            )
+            self.notifier.route(self._everything, now, deadline=deadline)
         except Exception:  # the store failed while logging: the next evaluation retries
             log.exception("notifying after rule group %s failed", group.name)
+
+    def _everything(self) -> list[OutgoingAlert]:
+        """Every alert the notifier should know now (read under its lock)."""
+        return [o for o in (self.outgoing(st) for st in self.state.values()) if o is not None]
 
     def outgoing(self, st: AlertState) -> OutgoingAlert | None:
         """``st`` as the notifier sees it (None while pending): labels with ``alertname`` added,
@@ -274,7 +285,8 @@ class RuleScheduler:
         labels = {**dict(st.labels), "alertname": st.alert}
         annotations = {k: render_template(t, st.labels, st.value) for k, t in templates.items()}
         alert = Alert(fingerprint=st.fingerprint, labels=labels, firing=st.status == Status.FIRING, annotations=annotations, value=st.value)
-        starts = st.firing_since if st.firing_since is not None else (st.evaluated_at or 0.0)
+        # as Prometheus: an alert starts when it became active (pending), kept while it fires
+        starts = next((t for t in (st.active_since, st.firing_since, st.evaluated_at) if t is not None), 0.0)
         return OutgoingAlert(alert=alert, name=st.alert, starts_at=starts, resolved_at=st.resolved_at)
 
     def _set_gauge(self) -> None:
@@ -319,5 +331,3 @@ class RuleScheduler:
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             scheduler.shutdown(wait=True)
-        if self.notifier is not None:
-            self.notifier.close()

@@ -489,15 +489,17 @@ def cmd_alerts(args: argparse.Namespace) -> int:
         return 0
     import yaml
 
-    from alerts.notify_config import NotifyConfigError, load_notify_config
+    from alerts.notify_config import NOTIFY_KEYS, NotifyConfigError, load_notify_config
 
     failed = 0
     for path in args.files:
         try:
             try:
-                notify_file = "groups" not in (yaml.safe_load(path.read_text(encoding="utf-8")) or {})
-            except (OSError, yaml.YAMLError, TypeError):
-                notify_file = False  # the rule loader reports it
+                document = yaml.safe_load(path.read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError, UnicodeDecodeError):
+                document = None  # the rule loader reports it
+            # a notification file has its own top-level keys; anything else is read as rules
+            notify_file = isinstance(document, dict) and bool(set(document) & NOTIFY_KEYS) and "groups" not in document
             if notify_file:
                 config = load_notify_config(path, data_dir=Path("kvscope-data"))
                 print(

@@ -103,6 +103,7 @@ def test_serve_runs_a_rule_file_routes_and_silences(tmp_path: Path) -> None:
     rules.write_text(
         "groups:\n  - name: fast\n    interval: 200ms\n    rules:\n"
         "      - alert: Always\n        expr: \"SELECT unnest(['x', 'y']) AS engine, 1.0 AS value\"\n"
+        "        for: 8s\n"  # time for the CLI to create the silence before anything fires
         "        labels: {severity: info}\n        annotations: {summary: 'always {{ $labels.engine }}'}\n"
     )
     notify = tmp_path / "notify.yaml"
@@ -125,6 +126,8 @@ def test_serve_runs_a_rule_file_routes_and_silences(tmp_path: Path) -> None:
         while not sent.exists():
             assert time.monotonic() < deadline, "the rule file was not evaluated and routed"
             time.sleep(0.05)
+        time.sleep(3)  # several group intervals: y would have been routed by now, were it not silenced
+        assert [json.loads(line)["groupLabels"] for line in sent.read_text().splitlines()] == [{"engine": "x"}]
         listed = subprocess.run([*cli, "list"], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60)
         assert silence_id in listed.stdout and "active" in listed.stdout and 'engine="y"' in listed.stdout
         expired = subprocess.run([*cli, "expire", silence_id], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60)

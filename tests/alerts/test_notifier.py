@@ -184,13 +184,18 @@ def test_silences_and_inhibition_mute_pages_but_not_resolves(store: Store, tmp_p
     assert n.route([alert()], T + 120, budget_seconds=5) == []  # a group forms: group_wait
     assert len(n.route([alert()], T + 150, budget_seconds=5)) == 1  # the silence ended: paged
     # an engine that went silent inhibits its hit-rate alerts (another engine's still page)
-    silent = alert("EngineSilent", severity="ticket")
-    other = alert(engine="e2")
-    n.route([alert(), silent, other], T + 200, budget_seconds=5)
-    sent = n.route([alert(), silent, other], T + 240, budget_seconds=5)
+    silent = alert("EngineSilent", engine="e3", severity="ticket")
+    muted, other = alert(engine="e3"), alert(engine="e2")
+    n.route([muted, silent, other], T + 200, budget_seconds=5)
+    sent = n.route([muted, silent, other], T + 240, budget_seconds=5)
     assert sorted(a.dispatch.group_key.split(":")[-1] for a in sent) == [
-        '{alertname="EngineSilent",engine="e1"}',
+        '{alertname="EngineSilent",engine="e3"}',
         '{alertname="RecoverableHitRateDrop",engine="e2"}',
+    ]
+    # once the engine is back, its hit-rate alert pages (it was never sent), after group_wait
+    assert n.route([muted, other], T + 300, budget_seconds=5) == []
+    assert [a.dispatch.group_key.split(":")[-1] for a in n.route([muted, other], T + 330, budget_seconds=5)] == [
+        '{alertname="RecoverableHitRateDrop",engine="e3"}'
     ]
 
 
@@ -313,3 +318,86 @@ def test_the_shipped_notification_file(tmp_path: Path) -> None:
         load_notify_config(tmp_path / "absent.yaml", data_dir=tmp_path)
 
 
+
+
+def test_one_failing_integration_does_not_repage_the_others(store: Store, tmp_path: Path) -> None:
+    """Alertmanager keeps its notification log per receiver integration: while PagerDuty fails,
+    the webhook of the same receiver gets the page once, not once per retry."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500 if "pd.test" in str(request.url) else 200)
+
+    posts: list[str] = []
+    registry = CollectorRegistry()
+    config = parse_notify_config(CONFIG, source="n.yaml", data_dir=tmp_path)
+
+    def record(request: httpx.Request) -> httpx.Response:
+        posts.append(request.url.host)
+        return answer(request)
+
+    n = Notifier(
+        store=store, config=config, registry=registry, external_url="http://a",
+        client=httpx.Client(transport=httpx.MockTransport(record)), sleep=lambda s: None,
+    )  # fmt: skip
+    n.route([alert()], T, budget_seconds=5)
+    for k in range(5):  # an evaluation a minute: PagerDuty is retried each time, the webhook is not
+        (attempt,) = n.route([alert()], T + 30 + 60 * k, budget_seconds=5)
+        assert set(attempt.errors) == {"pagerduty[0]"}
+    assert posts.count("hook.test") == 1 and posts.count("pd.test") == 10  # 2 attempts × 5 passes
+    # a restart keeps that: the webhook's entry is in the store
+    again = Notifier(
+        store=store, config=config, registry=CollectorRegistry(), external_url="http://a",
+        client=httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(200))), sleep=lambda s: None,
+    )  # fmt: skip
+    again.restore()
+    (ok,) = again.route([alert()], T + 400, budget_seconds=5)
+    assert ok.ok and ok.took == ("pagerduty[0]",)
+    assert again.route([alert()], T + 460, budget_seconds=5) == []  # the group advanced
+
+
+def test_a_group_whose_routing_changed_still_delivers_its_resolve(store: Store, tmp_path: Path) -> None:
+    hook = Receiver()
+    n = notifier(store, tmp_path, hook)
+    n.route([alert()], T, budget_seconds=5)
+    n.route([alert()], T + 30, budget_seconds=5)  # paged under group_by [alertname, engine]
+    regrouped = {**CONFIG, "route": {**CONFIG["route"], "group_by": ["engine"]}}  # type: ignore[dict-item]
+    config = parse_notify_config(regrouped, source="n.yaml", data_dir=tmp_path)
+    after = Notifier(
+        store=store, config=config, registry=CollectorRegistry(), external_url="http://a",
+        client=httpx.Client(transport=httpx.MockTransport(hook)), sleep=lambda s: None,
+    )  # fmt: skip
+    after.restore()
+    after.route([alert()], T + 60, budget_seconds=5)
+    after.route([alert()], T + 90, budget_seconds=5)  # the new group pages once
+    pages = [b for b in hook.bodies("hook.test") if b["status"] == "firing"]
+    assert [p["groupLabels"] for p in pages] == [{"alertname": "RecoverableHitRateDrop", "engine": "e1"}, {"engine": "e1"}]
+    sent = after.route([alert(firing=False, resolved_at=T + 100)], T + 400, budget_seconds=5)
+    resolves = [b for b in hook.bodies("hook.test") if b["status"] == "resolved"]
+    assert sorted(json.dumps(r["groupLabels"]) for r in resolves) == [
+        '{"alertname": "RecoverableHitRateDrop", "engine": "e1"}', '{"engine": "e1"}'
+    ]  # fmt: skip
+    assert all(r["alerts"][0]["endsAt"] == "2027-01-15T08:01:40Z" for r in resolves)  # when it resolved
+    assert len(sent) == 2 and after.groups == {}
+    with store.cursor() as cur:
+        assert cur.execute("SELECT count(*) FROM alert_groups").fetchall() == [(0,)]
+
+
+def test_silences_keep_their_matchers_exactly(store: Store) -> None:
+    odd = ['model="llama-é\\"x"', 'engine!="a\\\\b"', 'alertname=~"Rec.*"']
+    created = create_silence(store, matchers=odd, starts_at=T, ends_at=T + 60, created_by="op", comment="c", now=T)
+    (loaded,) = load_silences(store)
+    assert loaded.matchers == created.matchers
+    assert loaded.matchers[0].value == 'llama-é"x' and loaded.matchers[1].value == "a\\b"
+    from alerts.alert_store import matcher_text
+    from alerts.routing import parse_matcher
+
+    assert [parse_matcher(matcher_text(m)) for m in loaded.matchers] == list(loaded.matchers)
+
+
+def test_expiring_a_pending_silence(store: Store) -> None:
+    from alerts.alert_store import silence_json
+
+    later = create_silence(store, matchers=['engine="e1"'], starts_at=T + 600, ends_at=T + 900, created_by="op", comment="c", now=T)
+    assert silence_json(later, T)["state"] == "pending"
+    expired = expire_silence(store, later.id, now=T + 10)
+    assert silence_json(expired, T + 10)["state"] == "expired" and not expired.active(T + 600)

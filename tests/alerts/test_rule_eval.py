@@ -77,6 +77,20 @@ def test_a_data_gap_is_no_data_not_a_page() -> None:
     assert run(rule(**DROP), [drop(0.4), quiet, drop(0.4), quiet, drop(0.4)]) == []
 
 
+def test_a_firing_alert_without_data_for_an_hour_resolves() -> None:
+    """An engine restarted under a new id leaves its old series without data for good: its
+    firing alert resolves once the series has had no data for an hour, not before."""
+    r = rule(**DROP)
+    state, notes = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 0.0, {})
+    state, notes = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 120.0, state)
+    assert [n.status for n in notes] == [Status.FIRING]
+    for t in range(180, 120 + 3600, 60):
+        state, notes = evaluate([r], {"A": {}}, float(t), state)
+        assert notes == [], t
+    state, notes = evaluate([r], {"A": {}}, 120.0 + 3600, state)
+    assert [(n.status, n.value) for n in notes] == [(Status.RESOLVED, 0.4)]
+
+
 def test_an_engine_restart_that_zeroes_its_sums_is_no_data() -> None:
     restarted = DropInput(Tokens(0, 0), Tokens(16_000, 20_000))
     assert run(rule(**DROP), [drop(0.8)] * 3 + [restarted] * 3 + [drop(0.8)] * 3) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.agent_process import ROOT, agent_env
 from tests.e2e.procs import start, stop, wait_for
@@ -31,35 +33,9 @@ pytestmark = pytest.mark.e2e
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager") or ""
 MISSING = "install Debian's `prometheus-alertmanager` package (`apt-get install prometheus-alertmanager`; `make test` does it as root)"
 
+DRILL = ROOT / "alerts" / "examples"
 INTERVAL = 1.0
-FOR = 2.0
-RULES = f"""\
-groups:
-  - name: drill
-    interval: {INTERVAL:g}s
-    rules:
-      - alert: RecoverableHitRateDrop
-        kind: recoverable_hit_rate_drop
-        window: 10s
-        baseline: trailing
-        baseline_window: 20s
-        fire_relative_drop: 0.7
-        fire_absolute_drop: 0.4
-        clear_relative_drop: 0.3
-        clear_absolute_drop: 0.2
-        min_prompt_tokens: 10000
-        for: {FOR:g}s
-        keep_firing_for: 2s
-        labels: {{severity: page}}
-        annotations:
-          summary: "Recoverable hit rate on {{{{ $labels.engine }}}} fell to {{{{ $value | humanizePercentage }}}}"
-"""
-NOTIFY = """\
-route: {{receiver: log, group_wait: 0s, group_interval: 1s}}
-receivers: [{{name: log, log_configs: [{{path: notifications.jsonl}}]}}]
-alertmanagers: [{{url: "http://127.0.0.1:{port}"}}]
-delivery: {{lease_intervals: 10, resolve_resend: 30s}}
-"""
+"""The drill rule group's interval (alerts/examples/drill_rules.yaml)."""
 ALERTMANAGER_YML = """\
 route:
   receiver: hook
@@ -111,8 +87,9 @@ def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path
     hook = Hook()
     am_port, agent_port = free_port(), free_port()
     (tmp_path / "alertmanager.yml").write_text(ALERTMANAGER_YML.format(port=hook.port))
-    (tmp_path / "rules.yaml").write_text(RULES)
-    (tmp_path / "notify.yaml").write_text(NOTIFY.format(port=am_port))
+    notify = yaml.safe_load((DRILL / "drill_notify.yaml").read_text())
+    notify["alertmanagers"] = [{"url": f"http://127.0.0.1:{am_port}"}]
+    (tmp_path / "notify.yaml").write_text(yaml.safe_dump(notify))
     data = tmp_path / "data"
     alertmanager = up = None
     try:
@@ -134,22 +111,22 @@ def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path
             [
                 sys.executable, "-m", "kvscope", "up", "--no-dashboard", "--exit-when-done", "--json",
                 "--data-dir", str(data), "--agent-port", str(agent_port), "--max-requests", "300",
-                "--alert-rules", str(tmp_path / "rules.yaml"), "--alert-notify", str(tmp_path / "notify.yaml"),
+                "--alert-rules", str(DRILL / "drill_rules.yaml"), "--alert-notify", str(tmp_path / "notify.yaml"),
                 "--squeeze-window-pool", f"{SQUEEZE_AT}:{SQUEEZE_FOR}",
             ],
             tmp_path / "up.log",
             cwd=ROOT,
             env=agent_env(),
         )  # fmt: skip
-        # bounded: the replay of 300 requests, the drill inside it, then the resolve
+        # bounded: the drill inside the replay, then the resolve through Alertmanager
         deadline = time.monotonic() + 420
         while not hook.alerts("resolved"):
+            assert up.poll() is None, "kvscope up ended before the resolve reached the webhook"
             assert time.monotonic() < deadline, "no resolve reached the webhook"
-            if up.poll() is not None:
-                time.sleep(3)  # the last resolve may still be on its way through Alertmanager
-                break
             time.sleep(0.2)
-        up_rc = up.wait(timeout=120)
+        time.sleep(3)  # anything more (a second page, a second resolve) would arrive now
+        up.send_signal(signal.SIGTERM)  # stop the replay: it prints its summary and stops the agent
+        up_rc = up.wait(timeout=180)
     finally:
         stop(up)
         stop(alertmanager)
