@@ -132,6 +132,9 @@ class SilenceRequest(msgspec.Struct, forbid_unknown_fields=True):
     starts_at: float | None = None
 
 
+SILENCE_MAX_SECONDS = 100 * 365 * 86_400.0
+SILENCE_MAX_MATCHERS = 64
+SILENCE_MAX_TEXT = 2048
 SILENCE_LIST_GRACE_SECONDS = 86_400.0
 """``GET /v1/silences`` lists silences that ended at most this long ago."""
 
@@ -379,10 +382,16 @@ def create_app(
         else:
             assert req.ends_at is not None
             ends = req.ends_at
-        if not (math.isfinite(starts) and math.isfinite(ends)):
-            raise _ApiError(400, "starts_at and ends_at must be finite unix seconds")
+        if not (math.isfinite(starts) and math.isfinite(ends)) or not (starts >= 0 and ends <= now + SILENCE_MAX_SECONDS):
+            raise _ApiError(400, "starts_at and ends_at must be unix seconds from 1970 up to 100 years from now")
         if not req.created_by.strip() or not req.comment.strip():
             raise _ApiError(400, "created_by and comment must not be empty (who silenced what, and why)")
+        if len(req.matchers) > SILENCE_MAX_MATCHERS or max(len(req.created_by), len(req.comment)) > SILENCE_MAX_TEXT:
+            raise _ApiError(
+                400, f"a silence takes at most {SILENCE_MAX_MATCHERS} matchers and {SILENCE_MAX_TEXT} characters of created_by and comment"
+            )
+        if any(ch < " " and ch not in "\t\n" for ch in req.created_by + req.comment):
+            raise _ApiError(400, "created_by and comment must not contain control characters")
         target = current_store()
         try:
             silence = await run_in_threadpool(

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pyarrow as pa
@@ -62,6 +63,8 @@ class AgentClient:
             raise AgentError(f"agent at {self.base_url} did not answer within {self.timeout_seconds:g} s") from None
         except httpx.TransportError as exc:
             raise AgentError(f"agent unreachable at {self.base_url} ({exc})") from None
+        except httpx.InvalidURL as exc:
+            raise AgentError(f"{self.base_url}{path} is not a valid URL ({exc})") from None
 
     def query_table(self, name: str, **params: object) -> pa.Table:
         """Run the named query ``name`` (``None`` parameters are left out).
@@ -117,7 +120,7 @@ class AgentClient:
         Raises:
             AgentError: unreachable, or no such silence.
         """
-        return dict(self._json("DELETE", f"/v1/silences/{silence_id}")["silence"])
+        return dict(self._json("DELETE", f"/v1/silences/{quote(silence_id, safe='')}")["silence"])
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         response = self._request(method, path, **kwargs)

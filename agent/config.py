@@ -244,6 +244,8 @@ def read_yaml(path: Path, what: str, error: type[ValueError]) -> object:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise error(f"{path}: cannot read {what}: it is not UTF-8 text") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

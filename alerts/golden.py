@@ -49,7 +49,7 @@ from agent.ingest import fold_cache_minute, ingest_batch
 from agent.store import Store, to_timestamp
 from alerts.rule_eval import Notification
 from alerts.rule_scheduler import RuleScheduler
-from alerts.rulefile import RuleFile, RuleGroup, format_value, parse_duration
+from alerts.rulefile import RuleFile, RuleGroup, parse_duration
 from engine.events import EventError, decode_batch
 
 GOLDEN_START = 1_800_000_000.0
@@ -58,6 +58,9 @@ GOLDEN_START = 1_800_000_000.0
 
 MAX_VALUES = 1_000_000
 """Most values one series field may expand to."""
+MAX_LOOKUPS_PER_STEP = 100_000
+MAX_EVALUATIONS = 100_000
+"""Most evaluations of one run, over every rule group (about 10 ms each)."""
 
 
 class GoldenError(ValueError):
@@ -173,6 +176,8 @@ def parse_series(raw: object, *, source: str = "<series>") -> SeriesFile:
     restarts = []
     for i, item in enumerate(_list(top.get("agent_restarts", []), f"{source}: agent_restarts")):
         restarts.append(_parse(lambda v=item: parse_duration(v), f"{source}: agent_restarts[{i}]"))
+        if not 0 < restarts[-1] <= duration:
+            raise GoldenError(f"{source}: agent_restarts[{i}]: must be within the duration")
     series = []
     for i, item in enumerate(_list(top["series"], f"{source}: series")):
         where = f"{source}: series[{i}]"
@@ -197,6 +202,10 @@ def parse_series(raw: object, *, source: str = "<series>") -> SeriesFile:
         for name, vals in values.items():
             if any(v is not None and v < 0 for v in vals):
                 raise GoldenError(f"{where}: field {name}: values must be >= 0")
+            if name != "recovery_seconds" and any(v is not None and v != int(v) for v in vals):
+                raise GoldenError(f"{where}: field {name}: token counts and lookup counts are whole numbers")
+        if kind == "lookups" and any(v is not None and v > MAX_LOOKUPS_PER_STEP for v in values["count"]):
+            raise GoldenError(f"{where}: field count: at most {MAX_LOOKUPS_PER_STEP} lookups per step")
         series.append(GoldenSeries(kind=kind, labels=dict(labels), step=step, values=values))
     expected = None
     if "expected" in top:
@@ -207,8 +216,10 @@ def parse_series(raw: object, *, source: str = "<series>") -> SeriesFile:
             if doc["status"] not in ("firing", "resolved"):
                 raise GoldenError(f"{where}: field status: firing or resolved, got {doc['status']!r}")
             labels = doc.get("labels", {})
-            if not isinstance(labels, dict):
-                raise GoldenError(f"{where}: field labels: expected a mapping")
+            if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+                raise GoldenError(f"{where}: field labels: expected a mapping of label names to strings")
+            if not isinstance(doc["alert"], str):
+                raise GoldenError(f"{where}: field alert: expected an alert name")
             at = _parse(lambda d=doc: parse_duration(d["at"]), f"{where}: field at")
             expected.append(Expected(at=at, alert=str(doc["alert"]), status=doc["status"], labels={str(k): str(v) for k, v in labels.items()}))
     return SeriesFile(
@@ -275,6 +286,12 @@ def run_golden(rules: RuleFile, spec: SeriesFile, *, start: float = GOLDEN_START
             restarts = list(spec.agent_restarts)
             # the evaluation times of every group, from whole multiples of its interval
             due: dict[float, list[RuleGroup]] = defaultdict(list)
+            total = sum(int(spec.duration / scheduler.interval_of(g) + 1e-9) for g in rules.groups)
+            if total > MAX_EVALUATIONS:
+                raise GoldenError(
+                    f"{spec.source}: {total} evaluations over the rule groups' intervals (at most {MAX_EVALUATIONS}); "
+                    "use a shorter duration or longer intervals"
+                )
             for group in rules.groups:
                 interval = scheduler.interval_of(group)
                 for k in range(1, int(spec.duration / interval + 1e-9) + 1):
@@ -323,24 +340,34 @@ def _scheduler(store: Store, rules: RuleFile, spec: SeriesFile, folder: Path, cl
 
 
 def _compare(expected: Sequence[Expected], got: Sequence[Notification], start: float) -> list[str]:
+    """Mismatches between the expected and the actual notifications, evaluation by evaluation;
+    within one evaluation time the order does not matter (as promtool compares alerts)."""
+    def at(seconds: float) -> int:
+        return round(seconds * 1000)
+
+    wanted: dict[int, list[Expected]] = defaultdict(list)
+    for e in expected:
+        wanted[at(e.at)].append(e)
+    happened: dict[int, list[Notification]] = defaultdict(list)
+    for n in got:
+        happened[at(n.at - start)].append(n)
     problems = []
-    for i in range(max(len(expected), len(got))):
-        want = expected[i] if i < len(expected) else None
-        have = got[i] if i < len(got) else None
-        if want is None:
-            assert have is not None
-            problems.append(f"unexpected notification {i}: {_line(have, start)}")
-        elif have is None:
-            problems.append(f"expected notification {i} did not happen: {want.status} {want.alert} at {_since(want.at)} {dict(want.labels)}")
-        elif not (
-            abs(have.at - start - want.at) < 1e-6
-            and have.alert == want.alert
-            and have.status.value == want.status
-            and all(have.labels.get(k) == v for k, v in want.labels.items())
-        ):
-            problems.append(
-                f"notification {i}: expected {want.status} {want.alert} at {_since(want.at)} {dict(want.labels)}, got {_line(have, start)}"
+    for moment in sorted(set(wanted) | set(happened)):
+        left = list(happened.get(moment, []))
+        for want in wanted.get(moment, []):
+            match = next(
+                (
+                    n
+                    for n in left
+                    if n.alert == want.alert and n.status.value == want.status and all(n.labels.get(k) == v for k, v in want.labels.items())
+                ),
+                None,
             )
+            if match is None:
+                problems.append(f"expected {want.status} {want.alert} at {_since(want.at)} {dict(want.labels)} did not happen")
+            else:
+                left.remove(match)
+        problems += [f"unexpected notification: {_line(n, start)}" for n in left]
     return problems
 
 
@@ -353,7 +380,7 @@ def _since(seconds: float) -> str:
 
 def _line(n: Notification, start: float) -> str:
     labels = ",".join(f'{k}="{v}"' for k, v in sorted(n.labels.items()))
-    value = format_value(n.value) if n.value is not None else "-"
+    value = f"{n.value:.6g}" if n.value is not None else "-"
     return f"{_since(n.at - start):>8}  {n.status.value:8}  {n.alert}{{{labels}}}  value={value}"
 
 

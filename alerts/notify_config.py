@@ -1,7 +1,7 @@
 """Where alerts go: the notification file, shaped like Alertmanager's configuration, loaded
 strictly.
 
-Four top-level keys, all optional (a missing one takes the default below)::
+Five top-level keys; ``route`` (with its ``receiver``) is required, the others are optional::
 
     route:                      # Alertmanager's routing tree (alerts.routing)
       receiver: log
@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+import httpx
 
 from agent.config import read_yaml
 from alerts.routing import InhibitRule, Matcher, Route, parse_matcher
@@ -178,6 +180,8 @@ _ROUTE_KEYS = {"receiver", "matchers", "group_by", "group_wait", "group_interval
 def _route(raw: object, where: str, receivers: Mapping[str, Receiver], *, root: bool = False) -> Route:
     doc = _mapping(raw, where, _ROUTE_KEYS - ({"matchers", "continue"} if root else set()), required={"receiver"} if root else set())
     receiver = doc.get("receiver")
+    if receiver is not None and not isinstance(receiver, str):
+        raise NotifyConfigError(f"{where}: field receiver: expected a receiver's name, got {receiver!r}")
     if receiver is not None and receiver not in receivers:
         known = ", ".join(sorted(receivers)) or "none defined"
         raise NotifyConfigError(f"{where}: field receiver: no receiver named {receiver!r} (receivers: {known})")
@@ -198,10 +202,11 @@ def _route(raw: object, where: str, receivers: Mapping[str, Receiver], *, root: 
     children = tuple(
         _route(child, f"{where}.routes[{i}]", receivers) for i, child in enumerate(_list(doc.get("routes", []), f"{where}: field routes"))
     )
+    matchers = _matchers(doc.get("matchers", []), f"{where}: field matchers")
     try:
         return Route(
             receiver=receiver,
-            matchers=_matchers(doc.get("matchers", []), f"{where}: field matchers"),
+            matchers=matchers,
             group_by=group_by,
             group_wait=timers.get("group_wait"),
             group_interval=timers.get("group_interval"),
@@ -266,14 +271,17 @@ def _receiver(raw: object, where: str, data_dir: Path) -> Receiver:
                 integration = SlackConfig(_url(cfg["api_url"], f"{at}: field api_url"), send_resolved)
             else:
                 path = Path(_text(cfg["path"], f"{at}: field path"))
-                integration = LogConfig(path if path.is_absolute() else data_dir / path, send_resolved)
+                path = path if path.is_absolute() else data_dir / path
+                if path.is_dir():
+                    raise NotifyConfigError(f"{at}: field path: {str(path)!r} is a directory, not a file to append to")
+                integration = LogConfig(path, send_resolved)
             integrations.append((f"{kind}[{i}]", integration))
     return Receiver(name=name, integrations=tuple(integrations))
 
 
 def _delivery(raw: object, where: str) -> Delivery:
     keys = {"timeout", "attempts", "backoff", "max_backoff", "lease_intervals", "resolve_resend"}
-    doc = _mapping(raw or {}, where, keys)
+    doc = _mapping(raw if raw is not None else {}, where, keys)
     d = Delivery()
     attempts = doc.get("attempts", d.attempts)
     if type(attempts) is not int or not 1 <= attempts <= 10:
@@ -315,8 +323,12 @@ def _duration(doc: Mapping[str, Any], name: str, where: str) -> float:
 
 def _url(value: object, where: str) -> str:
     text = _text(value, where)
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        url = httpx.URL(text)  # the client that will post to it must accept it, port included
+        parts = urlsplit(text)
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise NotifyConfigError(f"{where}: {text!r} is not a valid URL ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.host or not parts.netloc or any(c.isspace() for c in text):
         raise NotifyConfigError(f"{where}: {text!r} is not an http(s) URL")
     return text
 

@@ -185,6 +185,8 @@ def deliver(
             )
         except httpx.HTTPError as exc:
             reason = f"{type(exc).__name__}: {exc}"
+        except (httpx.InvalidURL, ValueError, TypeError) as exc:  # a URL or header httpx refuses: not retried
+            raise DeliveryError(f"{url}: cannot send there ({type(exc).__name__}: {exc})") from None
         else:
             if response.status_code < 300:
                 return

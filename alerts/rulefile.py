@@ -60,6 +60,8 @@ ALERT_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _DURATION = re.compile(
     r"(?:([0-9]+)y)?(?:([0-9]+)w)?(?:([0-9]+)d)?(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?(?:([0-9]+)ms)?"
 )
+MIN_GROUP_INTERVAL_SECONDS = 0.1
+"""Shortest rule-group interval (each evaluation queries the store)."""
 MAX_DURATION_SECONDS = 100 * 365 * 86400
 """Longest accepted duration (Prometheus's limit is about 292 years)."""
 _DURATION_UNITS = (365 * 86400, 7 * 86400, 86400, 3600, 60, 1, 0.001)
@@ -472,8 +474,8 @@ def parse_rule_file(raw: object, *, source: str = "<rules>") -> RuleFile:
         interval = None
         if "interval" in group:
             interval = _field(where, "interval", lambda g=group: parse_duration(g["interval"]))  # type: ignore[misc]
-            if interval <= 0:
-                raise RuleFileError(f"{where}: field interval: must be positive")
+            if interval < MIN_GROUP_INTERVAL_SECONDS:
+                raise RuleFileError(f"{where}: field interval: must be at least 100ms")
         rules_raw = group["rules"]
         if not isinstance(rules_raw, list) or not rules_raw:
             raise RuleFileError(f"{where}: rules must be a non-empty list")

@@ -496,10 +496,14 @@ def cmd_alerts(args: argparse.Namespace) -> int:
         try:
             try:
                 document = yaml.safe_load(path.read_text(encoding="utf-8"))
-            except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            except OSError as exc:
+                print(f"FAILED: {path}: cannot read: {exc.strerror or exc}", file=sys.stderr)
+                failed += 1
+                continue
+            except (yaml.YAMLError, UnicodeDecodeError):
                 document = None  # the rule loader reports it
-            # a notification file has its own top-level keys; anything else is read as rules
-            notify_file = isinstance(document, dict) and bool(set(document) & NOTIFY_KEYS) and "groups" not in document
+            # a notification file has only its own top-level keys; anything else is read as rules
+            notify_file = isinstance(document, dict) and bool(document) and set(document) <= NOTIFY_KEYS
             if notify_file:
                 config = load_notify_config(path, data_dir=Path("kvscope-data"))
                 print(
@@ -529,21 +533,31 @@ def _silence(args: argparse.Namespace) -> int:
             print(created["id"])
             return 0
         if args.silence_command == "expire":
+            failed = 0
             for silence_id in args.ids:
-                client.expire_silence(silence_id)
+                try:
+                    client.expire_silence(silence_id)
+                except AgentError as exc:
+                    print(f"kvscope alerts silence: {silence_id}: {exc}", file=sys.stderr)
+                    failed += 1
+                    continue
                 print(f"expired {silence_id}")
-            return 0
+            return 1 if failed else 0
         found = client.silences()
     except (AgentError, ValueError) as exc:
         raise UserError(str(exc)) from None
     from datetime import UTC, datetime
 
     def when(unix: float) -> str:
-        return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        except (OverflowError, OSError, ValueError):
+            return f"{unix:.0f}"
 
     print(f"{'ID':36}  {'STATE':8}  {'ENDS (UTC)':19}  {'CREATED BY':12}  MATCHERS  COMMENT")
     for s in found:
-        print(f"{s['id']:36}  {s['state']:8}  {when(s['ends_at']):19}  {s['created_by'][:12]:12}  {' '.join(s['matchers'])}  {s['comment']}")
+        comment = "".join(ch if ch.isprintable() else " " for ch in s["comment"])
+        print(f"{s['id']:36}  {s['state']:8}  {when(s['ends_at']):19}  {s['created_by'][:12]:12}  {' '.join(s['matchers'])}  {comment}")
     return 0
 
 

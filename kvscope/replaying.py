@@ -4,6 +4,7 @@ so it shows what was stored, and checked against the engine's own tally so a los
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -73,8 +74,10 @@ class PoolSqueeze:
     max_cached_blocks: int = 0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.start_seconds) and math.isfinite(self.duration_seconds)):
+            raise ValueError("START and DURATION must be finite seconds")
         if not (self.start_seconds >= 0 and self.duration_seconds > 0 and self.max_cached_blocks >= 0):
-            raise ValueError("a squeeze needs start >= 0, duration > 0 and max_cached_blocks >= 0")
+            raise ValueError("a squeeze needs START >= 0 and DURATION > 0 seconds")
 
     @classmethod
     def parse(cls, text: str) -> PoolSqueeze:
@@ -87,9 +90,13 @@ class PoolSqueeze:
         try:
             if not sep:
                 raise ValueError
-            return cls(start_seconds=float(start), duration_seconds=float(duration))
+            values = float(start), float(duration)
         except ValueError:
             raise ValueError(f"{text!r} is not START:DURATION in seconds (such as 60:90)") from None
+        try:
+            return cls(start_seconds=values[0], duration_seconds=values[1])
+        except ValueError as exc:
+            raise ValueError(f"{text!r}: {exc}") from None
 
 
 def run_replay(

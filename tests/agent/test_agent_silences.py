@@ -26,6 +26,10 @@ def test_silences_api(client: TestClient) -> None:
         ({"matchers": ['engine="e1"'], "duration": "1h", "created_by": " ", "comment": "c"}, "must not be empty"),
         ({"matchers": ['engine="e1"'], "duration": "1h", "created_by": "op", "comment": "c", "x": 1}, "invalid request body"),
         ({"matchers": ['engine="e1"'], "ends_at": 1.0, "created_by": "op", "comment": "c"}, "must end after it starts"),
+        ({"matchers": ['engine="e1"'], "ends_at": 1e308, "created_by": "op", "comment": "c"}, "up to 100 years from now"),
+        ({"matchers": ['engine="e1"'] * 65, "duration": "1h", "created_by": "op", "comment": "c"}, "at most 64 matchers"),
+        ({"matchers": ['engine="e1"'], "duration": "1h", "created_by": "op", "comment": "c" * 3000}, "2048 characters"),
+        ({"matchers": ['engine="e1"'], "duration": "1h", "created_by": "op\u0000", "comment": "c"}, "control characters"),
     ]:
         refused = client.post("/v1/silences", json=body)
         assert refused.status_code == 400 and reason in refused.json()["error"]["reason"], (body, refused.text)

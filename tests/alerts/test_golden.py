@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def test_a_wrong_expectation_is_reported() -> None:
     )
     result = run_golden(load_rule_file(DEFAULT_RULES_PATH), spec)
     assert result.notifications == []
-    assert result.mismatches == ["expected notification 0 did not happen: firing RecoverableHitRateDrop at 10m {}"]
+    assert result.mismatches == ["expected firing RecoverableHitRateDrop at 10m {} did not happen"]
 
 
 def test_expanding_notation() -> None:
@@ -76,12 +77,27 @@ def test_expanding_notation() -> None:
         ({"duration": "1h", "series": [], "expected": [{"at": "1m", "alert": "A", "status": "pending"}]}, "field status: firing or resolved"),
         ({"duration": "1h", "lag": "90s", "series": []}, "field lag: must be whole seconds"),
         ({"duration": "soon", "series": []}, "field duration: 'soon' is not a duration"),
+        ({"duration": "1h", "series": [{"requests": {"engine": "e", "model": "m"}, "prompt_tokens": "1.5", "recoverable_tokens": "1"}]}, "whole numbers"),
+        ({"duration": "1h", "series": [{"lookups": dict.fromkeys(("engine", "model", "form", "tier", "outcome", "reason"), "x"), "count": "1e9"}]}, "at most 100000 lookups per step"),
+        ({"duration": "1h", "series": [{"requests": {"engine": "e", "model": "m"}, "prompt_tokens": "1x99999999999", "recoverable_tokens": "1"}]}, "more than 1000000 values"),
+        ({"duration": "1h", "agent_restarts": ["2h"], "series": []}, "agent_restarts[0]: must be within the duration"),
+        ({"duration": "1h", "series": [], "expected": [{"at": "1m", "alert": "A", "status": "firing", "labels": {"engine": [1]}}]}, "expected a mapping of label names to strings"),
     ],
 )
 def test_bad_series_files_name_the_field(document: dict[str, object], message: str) -> None:
     with pytest.raises(GoldenError) as info:
         parse_series(document, source="s.yaml")
     assert message in str(info.value) and str(info.value).startswith("s.yaml")
+
+
+def test_expectations_at_one_time_match_in_any_order_and_runs_are_bounded() -> None:
+    spec = load_series(GOLDEN / "silence.yaml")
+    assert spec.expected is not None
+    swapped = (*spec.expected[:2], spec.expected[3], spec.expected[2], *spec.expected[4:])
+    assert run_golden(load_rule_file(DEFAULT_RULES_PATH), replace(spec, expected=swapped)).mismatches == []
+    long = parse_series({"duration": "60d", "interval": "1m", "series": []})  # 2 groups × 86400
+    with pytest.raises(GoldenError, match="evaluations over the rule groups' intervals"):
+        run_golden(load_rule_file(DEFAULT_RULES_PATH), long)
 
 
 def test_events_the_agent_would_refuse_are_reported() -> None:
@@ -104,6 +120,7 @@ def test_the_cli_prints_the_notifications_and_fails_on_a_mismatch(tmp_path: Path
     wrong.write_text((GOLDEN / "invalidation_spike.yaml").read_text().replace("at: 64m", "at: 63m"))
     failed = subprocess.run([*command, str(wrong)], capture_output=True, text=True, timeout=120)
     assert failed.returncode == 1
-    assert "FAILED: notification 0: expected firing FormInvalidationSpike at 1h3m" in failed.stderr
+    assert "FAILED: expected firing FormInvalidationSpike at 1h3m" in failed.stderr
+    assert "FAILED: unexpected notification:     1h4m  firing    FormInvalidationSpike" in failed.stderr
     bad = subprocess.run([*command, str(tmp_path / "missing.yaml")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "cannot read series file" in bad.stderr

@@ -298,12 +298,20 @@ def test_deliveries_stay_within_the_budget(store: Store, tmp_path: Path) -> None
         ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "delivery": {"lease_intervals": 1}}, "lease_intervals: expected a number in [2, 100]"),
         ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "inhibit_rules": [{"source_matchers": [], "target_matchers": ['a="b"']}]}, "need at least one matcher each"),
         ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "alertmanagers": [{"url": "am:9093"}]}, "'am:9093' is not an http(s) URL"),
+        ({"route": {"receiver": "a"}, "receivers": [{"name": "a", "webhook_configs": [{"url": "http://127.0.0.1:abc/hook"}]}]}, "is not a valid URL"),
+        ({"route": {"receiver": "a"}, "receivers": [{"name": "a", "webhook_configs": [{"url": "http://[::1/x"}]}]}, "is not a valid URL"),
+        ({"route": {"receiver": "a"}, "receivers": [{"name": "a", "webhook_configs": [{"url": "http://exa mple.com/x"}]}]}, "URL"),
+        ({"route": {"receiver": ["a"]}, "receivers": [{"name": "a"}]}, "route: field receiver: expected a receiver's name, got ['a']"),
+        ({"route": {"receiver": "a", "routes": [{"matchers": ['a=~"("']}]}, "receivers": [{"name": "a"}]}, "notify.yaml: route.routes[0]: field matchers: bad regex"),
+        ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "delivery": []}, "delivery: expected a mapping, got list"),
+        ({"route": {"receiver": "a"}, "receivers": [{"name": "a", "log_configs": [{"path": "/"}]}]}, "is a directory"),
     ],
 )
 def test_bad_notification_files_name_the_field(tmp_path: Path, document: dict[str, object], message: str) -> None:
     with pytest.raises(NotifyConfigError) as info:
         parse_notify_config(document, source="notify.yaml", data_dir=tmp_path)
     assert str(info.value).startswith("notify.yaml") and message in str(info.value)
+    assert str(info.value).count("notify.yaml") == 1
 
 
 def test_the_shipped_notification_file(tmp_path: Path) -> None:
@@ -401,3 +409,17 @@ def test_expiring_a_pending_silence(store: Store) -> None:
     assert silence_json(later, T)["state"] == "pending"
     expired = expire_silence(store, later.id, now=T + 10)
     assert silence_json(expired, T + 10)["state"] == "expired" and not expired.active(T + 600)
+
+
+def test_a_url_httpx_refuses_is_a_counted_failure_not_a_crash() -> None:
+    from alerts.receivers import DeliveryError, deliver
+
+    with httpx.Client() as client, pytest.raises(DeliveryError, match="cannot send there"):
+        deliver(client, "http://127.0.0.1:abc/hook", {"a": 1}, attempts=3, sleep=lambda s: None)
+
+
+def test_unreadable_files_say_so(tmp_path: Path) -> None:
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\x00\xff\xfe\x89PNG")
+    with pytest.raises(NotifyConfigError, match=r"bin\.yaml: cannot read notification file: it is not UTF-8 text"):
+        load_notify_config(binary, data_dir=tmp_path)

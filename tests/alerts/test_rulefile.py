@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from alerts.notify_config import DEFAULT_NOTIFY_PATH as NOTIFY
 from alerts.rulefile import (
     DEFAULT_BURN_WINDOWS,
     DEFAULT_RULES_PATH,
@@ -180,6 +181,17 @@ def test_alerts_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as exit_info:
         main(["alerts", "check", str(DEFAULT_RULES_PATH)])
     assert exit_info.value.code == 0
+    # notification files are told apart by their keys; a rule file with a typo stays a rule file
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("group: []\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["alerts", "check", str(NOTIFY), str(typo), str(tmp_path / "absent.yaml")])
+    assert exit_info.value.code == 1
+    out, err = capsys.readouterr()
+    assert out == f"{NOTIFY}: SUCCESS: notification file, 1 receivers, 2 inhibit rules, 0 Alertmanagers\n"
+    assert f"FAILED: {typo}: unknown field 'group'; known: groups" in err
+    assert f"FAILED: {tmp_path / 'absent.yaml'}: cannot read: No such file or directory" in err
 
 
 def test_agent_refuses_a_bad_rule_file_before_starting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -192,3 +204,10 @@ def test_agent_refuses_a_bad_rule_file_before_starting(tmp_path: Path, capsys: p
     assert exit_info.value.code == 2
     assert f"kvscope agent: {bad}: group 'g': rule 'A': field silent_for" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
+
+
+def test_group_intervals_have_a_floor() -> None:
+    group = {"name": "g", "interval": "10ms", "rules": [{"alert": "A", "kind": "engine_silent", "labels": {"severity": "page"}}]}
+    with pytest.raises(RuleFileError, match="group 'g': field interval: must be at least 100ms"):
+        parse_rule_file({"groups": [group]})
+    assert parse_rule_file({"groups": [{**group, "interval": "100ms"}]}).groups[0].interval_seconds == 0.1

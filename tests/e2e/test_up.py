@@ -193,6 +193,8 @@ def test_replay_sends_its_events_to_an_agent(tmp_path: Path) -> None:
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--data-dir", "FILE"], "is a file, not a directory"),
         (["--squeeze-window-pool", "soon"], "is not START:DURATION in seconds"),
+        (["--squeeze-window-pool", "0:inf"], "START and DURATION must be finite seconds"),
+        (["--squeeze-window-pool", "5:0"], "DURATION > 0"),
         (["--alert-rules", "FILE"], "FILE: expected a mapping"),
         (["--alert-notify", "FILE"], "missing field 'route'"),
     ],
