@@ -14,6 +14,9 @@ Endpoints:
   limit. ``limit`` is capped by ``sql_row_limit``.
 * ``GET /v1/query/{name}`` — a named query (:mod:`agent.queries`), parameters in the query
   string plus ``format``. 404 unknown query, 400 bad parameter.
+* ``GET /v1/alerts`` — the alerts pending or firing now (as Prometheus's ``/api/v1/alerts``):
+  ``{"alerts": [{"alertname", "state", "labels", "annotations", "value", "active_at",
+  "firing_since"}]}``; 503 when no rule scheduler runs beside the app.
 * ``GET /v1/silences`` — every silence not expired more than a day ago, with its ``state``
   (pending, active, expired); ``POST /v1/silences`` — ``{"matchers": ["engine=\"e1\""],
   "ends_at": unix s | "duration": "2h", "starts_at": unix s?, "created_by": str, "comment": str}``
@@ -196,6 +199,8 @@ def create_app(
     app.state.ingestor = new_ingestor(store) if store is not None else None
     decoder = BatchDecoder(config.decode_processes)
     app.state.decoder = decoder
+    app.state.active_alerts = None
+    """Set by :func:`agent.server.serve`: the rule scheduler's pending and firing alerts."""
 
     token = resolve_token(config, environ)
     if token is not None:
@@ -355,6 +360,13 @@ def create_app(
         except sql.SqlError as exc:
             raise _ApiError(exc.status, exc.reason) from None
         return _result_response(result, fmt)
+
+    @app.get("/v1/alerts")
+    async def active_alerts() -> JSONResponse:
+        source = app.state.active_alerts
+        if source is None:
+            raise _ApiError(503, "no rule scheduler runs in this process")
+        return JSONResponse({"alerts": await run_in_threadpool(source)})
 
     @app.get("/v1/silences")
     async def list_silences() -> JSONResponse:

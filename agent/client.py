@@ -98,6 +98,14 @@ class AgentClient:
             raise AgentError(f"HTTP {response.status_code}: {_reason(response)}")
         return response
 
+    def active_alerts(self) -> list[dict[str, Any]]:
+        """``GET /v1/alerts``: the alerts pending or firing now.
+
+        Raises:
+            AgentError: unreachable, or no rule scheduler runs in the agent.
+        """
+        return list(self._json("GET", "/v1/alerts")["alerts"])
+
     def silences(self) -> list[dict[str, Any]]:
         """``GET /v1/silences``.
 

@@ -72,6 +72,7 @@ def serve(config: AgentConfig, *, log_level: str = "info") -> None:
             row_limit=config.sql_row_limit,
             timeout_seconds=config.sql_timeout_seconds,
         )
+        app.state.active_alerts = rule_scheduler.active_alerts
         maintenance.start()
         try:
             rule_scheduler.start()

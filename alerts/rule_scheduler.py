@@ -289,6 +289,28 @@ class RuleScheduler:
         starts = next((t for t in (st.active_since, st.firing_since, st.evaluated_at) if t is not None), 0.0)
         return OutgoingAlert(alert=alert, name=st.alert, starts_at=starts, resolved_at=st.resolved_at)
 
+    def active_alerts(self) -> list[dict[str, object]]:
+        """The alerts pending or firing now, with their annotations rendered (``GET /v1/alerts``),
+        firing first, then by name and labels."""
+        out: list[dict[str, object]] = []
+        for st in self.state.values():
+            if st.status not in (Status.PENDING, Status.FIRING):
+                continue
+            rule = self._rules_by_name.get(st.alert)
+            templates = rule.annotations if rule is not None else {}
+            out.append(
+                {
+                    "alertname": st.alert,
+                    "state": st.status.value,
+                    "labels": dict(st.labels),
+                    "annotations": {k: render_template(t, st.labels, st.value) for k, t in templates.items()},
+                    "value": st.value,
+                    "active_at": st.active_since,
+                    "firing_since": st.firing_since,
+                }
+            )
+        return sorted(out, key=lambda a: (a["state"] != "firing", a["alertname"], sorted(dict(a["labels"]).items())))  # type: ignore[call-overload]
+
     def _set_gauge(self) -> None:
         counts: dict[tuple[str, str], int] = {(rule.alert, s): 0 for rule in self.rules.rules for s in ("pending", "firing")}
         for st in self.state.values():

@@ -128,6 +128,11 @@ def test_serve_runs_a_rule_file_routes_and_silences(tmp_path: Path) -> None:
             time.sleep(0.05)
         time.sleep(3)  # several group intervals: y would have been routed by now, were it not silenced
         assert [json.loads(line)["groupLabels"] for line in sent.read_text().splitlines()] == [{"engine": "x"}]
+        active = httpx.get(f"http://127.0.0.1:{port}/v1/alerts", timeout=10).json()["alerts"]
+        assert [(a["alertname"], a["state"], a["labels"]["engine"], a["annotations"]["summary"]) for a in active] == [
+            ("Always", "firing", "x", "always x"),
+            ("Always", "firing", "y", "always y"),  # silenced alerts still fire; only their notifications are muted
+        ]
         listed = subprocess.run([*cli, "list"], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60)
         assert silence_id in listed.stdout and "active" in listed.stdout and 'engine="y"' in listed.stdout
         expired = subprocess.run([*cli, "expire", silence_id], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60)

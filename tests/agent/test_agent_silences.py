@@ -34,3 +34,10 @@ def test_silences_api(client: TestClient) -> None:
         refused = client.post("/v1/silences", json=body)
         assert refused.status_code == 400 and reason in refused.json()["error"]["reason"], (body, refused.text)
     assert len(client.get("/v1/silences").json()["silences"]) == 2  # nothing stored by the refusals
+
+
+def test_active_alerts_api(client: TestClient) -> None:
+    assert client.get("/v1/alerts").status_code == 503  # no rule scheduler in this app
+    firing = {"alertname": "Drop", "state": "firing", "labels": {"engine": "e1"}, "annotations": {}, "value": 0.2, "active_at": 1.0, "firing_since": 2.0}
+    client.app.state.active_alerts = lambda: [firing]  # type: ignore[attr-defined]
+    assert client.get("/v1/alerts").json() == {"alerts": [firing]}

@@ -167,6 +167,12 @@ def test_each_evaluation_pushes_its_group_and_routes_every_alert(store: Store, t
     sched.restore(T)
     sched.run_group(drop.groups[0], T)
     assert posts == [] and registry.get_sample_value("kvscope_alerts", {"alertname": "Drop", "alertstate": "pending"}) == 1
+    assert sched.active_alerts() == [
+        {
+            "alertname": "Drop", "state": "pending", "labels": {"engine": "e1", "model": "m1", "severity": "page"},
+            "annotations": {"summary": "e1 at 0.3"}, "value": 0.3, "active_at": T, "firing_since": None,
+        }
+    ]  # fmt: skip
     requests(store, (T + 50, 1000, 300), (T + 110, 1000, 300))
     [fired] = sched.run_group(drop.groups[0], T + 120)
     assert fired.status == Status.FIRING
