@@ -10,10 +10,16 @@ Each kind becomes PromQL over the agent's counters and histograms (rates over th
   in each window) must hold. Prometheus has no hysteresis: the clear thresholds are not exported
   (``keep_firing_for`` is).
 * ``recoverable_hit_rate_below`` — one rule per burn window (label ``window``, the window's
-  severity): the error ratio ``1 − recoverable/prompt`` over the long and the short window, both
-  above ``burn_rate × (1 − objective)``.
+  severity): the burn rate ``(1 − recoverable/prompt) / (1 − objective)`` over the short and the
+  long window, both above ``burn_rate``.
 * ``form_invalidation_spike`` — ``rate(kvscope_invalidations_total)`` per (engine, form, reason)
-  over ``rate(kvscope_cache_lookups_total)`` per (engine, form), now minus the baseline share.
+  over ``rate(kvscope_cache_lookups_total)`` per (engine, form), at least the baseline share plus
+  ``min_share_increase``.
+
+Each expression's value is what kvscope's evaluator reports for the kind (the current hit rate,
+the short window's burn rate, the reason's share, the quantile), so the annotations' ``$value``
+reads the same — except for the two silence kinds, whose PromQL value is the increase (0), not
+seconds of silence.
 * ``recovery_latency_high`` — ``histogram_quantile`` over ``kvscope_recovery_seconds_bucket``.
 * ``ingest_stalled`` / ``engine_silent`` — no stored batch, or no finished request of an engine,
   within ``silent_for`` (``increase(...) == 0``).
@@ -86,11 +92,12 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
     if isinstance(s, HitRateBelow):
         out = []
         for w in s.windows:
-            limit = w.burn_rate * (1 - s.objective)
+            budget = 1 - s.objective
             long, short = duration(w.long), duration(w.short)
+            # the short window first: its burn rate is the alert's value, as in kvscope
             expr = (
-                f"(1 - ({_ratio(long)})) > {limit:g}"
-                f"\nand (1 - ({_ratio(short)})) > {limit:g}"
+                f"(1 - ({_ratio(short)})) / {budget:g} > {w.burn_rate:g}"
+                f"\nand (1 - ({_ratio(long)})) / {budget:g} > {w.burn_rate:g}"
                 f"\nand ({_volume(short, s.min_prompt_tokens)})"
                 f"\nand ({_volume(duration(w.long - w.short), s.min_prompt_tokens, short)})"
             )
@@ -108,7 +115,7 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
             )
 
         expr = (
-            f"{share(window)} - {share(base, window)} >= {s.min_share_increase:g}"
+            f"{share(window)} >= {share(base, window)} + {s.min_share_increase:g}"
             f"\nand on (engine, form) sum by (engine, form) (increase(kvscope_cache_lookups_total[{window}])) >= {s.min_lookups}"
         )
         return [({}, expr)]

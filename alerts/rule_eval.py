@@ -316,7 +316,10 @@ def evaluate(
                 else:
                     state[fp] = after
                 if change is not None:
-                    value = v.value if v.value is not None else (after.value if after is not None else None)
+                    if change == Status.RESOLVED and after is not None:
+                        value = after.value  # the last active value
+                    else:
+                        value = v.value if v.value is not None else (after.value if after is not None else None)
                     annotations = {k: render_template(t, labels, value) for k, t in rule.annotations.items()}
                     notifications.append(_note(rule.alert, fp, change, labels, value, now, annotations))
     return state, notifications
@@ -361,12 +364,15 @@ def _step(
             return None, None
         if status == Status.FIRING and before.evaluated_at is not None and now - before.evaluated_at >= NO_DATA_RESOLVE_SECONDS:
             # its series is gone (an engine restarted under a new id, or was retired)
-            return replace(before, status=Status.RESOLVED, active_since=None, inactive_since=None, resolved_at=now), Status.RESOLVED
+            return replace(before, status=Status.RESOLVED, inactive_since=None, resolved_at=now), Status.RESOLVED
         if status == Status.RESOLVED and before.resolved_at is not None and now - before.resolved_at >= RESOLVED_RETENTION_SECONDS:
             return None, None
         return before, None
     current = before or AlertState(alert=rule.alert, fingerprint=fp, labels=labels, series=key, status=Status.INACTIVE)
-    current = replace(current, evaluated_at=now, value=v.value if v.value is not None else current.value)
+    # a firing alert keeps the value it had when last active (a resolve reports what fired, as
+    # Prometheus does); otherwise the value follows the verdict
+    keep = status == Status.FIRING and not v.active
+    current = replace(current, evaluated_at=now, value=current.value if keep or v.value is None else v.value)
     if v.active:
         if status == Status.FIRING:
             return replace(current, inactive_since=None), None
@@ -380,7 +386,7 @@ def _step(
     if status == Status.FIRING:
         inactive_since = current.inactive_since if current.inactive_since is not None else now
         if now - inactive_since >= rule.keep_firing_for_seconds:
-            resolved = replace(current, status=Status.RESOLVED, active_since=None, inactive_since=None, resolved_at=now)
+            resolved = replace(current, status=Status.RESOLVED, inactive_since=None, resolved_at=now)
             return resolved, Status.RESOLVED
         return replace(current, inactive_since=inactive_since), None
     if status == Status.RESOLVED and before is not None and before.resolved_at is not None and now - before.resolved_at < RESOLVED_RETENTION_SECONDS:

@@ -175,16 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
     golden.add_argument("file", type=Path, metavar="FILE", help="the rule file")
     golden.add_argument("--series", type=Path, required=True, metavar="FILE", help="the golden series (YAML; see alerts/golden.py)")
     golden.add_argument("--json", action="store_true", help="one JSON object per notification instead of a table")
+    agent_flag = argparse.ArgumentParser(add_help=False)  # --agent before or after add/list/expire
+    agent_flag.add_argument("--agent", default=argparse.SUPPRESS, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
     silence = alerts_sub.add_parser("silence", parents=[verbose], help="create, list and expire silences on a running agent")
     silence.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
     silence_sub = silence.add_subparsers(dest="silence_command", required=True)
-    add = silence_sub.add_parser("add", parents=[verbose], help="mute alerts matching every matcher, e.g. engine=\"e1\" alertname=~\"Recoverable.*\"")
+    add = silence_sub.add_parser("add", parents=[verbose, agent_flag], help="mute alerts matching every matcher, e.g. engine=\"e1\" alertname=~\"Recoverable.*\"")
     add.add_argument("matchers", nargs="+", metavar="MATCHER")
     add.add_argument("--duration", default="1h", help="how long (Prometheus duration; default: %(default)s)")
     add.add_argument("--comment", required=True, help="why")
     add.add_argument("--author", default=None, help="who (default: $USER)")
-    silence_sub.add_parser("list", parents=[verbose], help="the silences, with their state")
-    expire = silence_sub.add_parser("expire", parents=[verbose], help="end silences now")
+    silence_sub.add_parser("list", parents=[verbose, agent_flag], help="the silences, with their state")
+    expire = silence_sub.add_parser("expire", parents=[verbose, agent_flag], help="end silences now (give the full ids)")
     expire.add_argument("ids", nargs="+", metavar="ID")
     return parser
 
@@ -506,10 +508,8 @@ def cmd_alerts(args: argparse.Namespace) -> int:
             notify_file = isinstance(document, dict) and bool(document) and set(document) <= NOTIFY_KEYS
             if notify_file:
                 config = load_notify_config(path, data_dir=Path("kvscope-data"))
-                print(
-                    f"{path}: SUCCESS: notification file, {len(config.receivers)} receivers, "
-                    f"{len(config.inhibit_rules)} inhibit rules, {len(config.alertmanagers)} Alertmanagers"
-                )
+                counts = ((len(config.receivers), "receiver"), (len(config.inhibit_rules), "inhibit rule"), (len(config.alertmanagers), "Alertmanager"))
+                print(f"{path}: SUCCESS: notification file, " + ", ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts))
             else:
                 rules = load_rule_file(path)
                 print(f"{path}: SUCCESS: {len(rules.groups)} groups, {len(rules.rules)} rules found")

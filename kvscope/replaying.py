@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console
@@ -159,7 +160,8 @@ def run_replay(
                         squeezed = due
                         evicted = llm.cache.limit_cached(Form.SWA_WINDOW, squeeze.max_cached_blocks if due else None)
                         what = f"squeezed to {squeeze.max_cached_blocks} cached pages ({evicted} evicted)" if due else "released"
-                        console.print(f"swa_window pool {what} at {elapsed:.0f} s")
+                        clock = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+                        console.print(f"swa_window pool {what} at {elapsed:.0f} s ({clock})")
                 progress.update(task, completed=done, rate=rolling.text())
 
             tally = replay(llm, requests, config, on_request=on_request, stop=stop)

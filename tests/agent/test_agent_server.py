@@ -133,7 +133,9 @@ def test_serve_runs_a_rule_file_routes_and_silences(tmp_path: Path) -> None:
             ("Always", "firing", "x", "always x"),
             ("Always", "firing", "y", "always y"),  # silenced alerts still fire; only their notifications are muted
         ]
-        listed = subprocess.run([*cli, "list"], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60)
+        listed = subprocess.run(  # --agent after the subcommand works too
+            [*cli[:-2], "list", "--agent", f"http://127.0.0.1:{port}"], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60
+        )
         assert silence_id in listed.stdout and "active" in listed.stdout and 'engine="y"' in listed.stdout
         expired = subprocess.run([*cli, "expire", silence_id], cwd=ROOT, env=agent_env(), capture_output=True, text=True, timeout=60)
         assert expired.returncode == 0 and f"expired {silence_id}" in expired.stdout

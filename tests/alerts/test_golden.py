@@ -91,7 +91,7 @@ def test_bad_series_files_name_the_field(document: dict[str, object], message: s
 
 
 def test_expectations_at_one_time_match_in_any_order_and_runs_are_bounded() -> None:
-    spec = load_series(GOLDEN / "silence.yaml")
+    spec = load_series(GOLDEN / "engine_silent.yaml")
     assert spec.expected is not None
     swapped = (*spec.expected[:2], spec.expected[3], spec.expected[2], *spec.expected[4:])
     assert run_golden(load_rule_file(DEFAULT_RULES_PATH), replace(spec, expected=swapped)).mismatches == []
@@ -114,7 +114,7 @@ def test_the_cli_prints_the_notifications_and_fails_on_a_mismatch(tmp_path: Path
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.splitlines() == [
         '    1h4m  firing    FormInvalidationSpike{engine="e1",form="swa_window",reason="swa_evicted",severity="ticket"}  value=0.41',
-        '   1h22m  resolved  FormInvalidationSpike{engine="e1",form="swa_window",reason="swa_evicted",severity="ticket"}  value=0.32',
+        '   1h22m  resolved  FormInvalidationSpike{engine="e1",form="swa_window",reason="swa_evicted",severity="ticket"}  value=0.41',
     ]
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text((GOLDEN / "invalidation_spike.yaml").read_text().replace("at: 64m", "at: 63m"))

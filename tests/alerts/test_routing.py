@@ -47,7 +47,7 @@ def test_matchers() -> None:
     assert parse_matcher('x="a\\"b"').value == 'a"b'
     assert parse_matcher('engine!~"e[0-9]+"').matches({"engine": "replay-1"})
     assert parse_matcher("severity=page") == parse_matcher('severity="page"')  # unquoted, as Alertmanager
-    for bad in ("severity", 'sev-erity="x"', 'x=~"("', "x=a b"):
+    for bad in ("severity", 'sev-erity="x"', 'x=~"("', "x=a b", "engine==e1", "engine=~~x"):
         with pytest.raises(ValueError):
             parse_matcher(bad)
 

@@ -189,7 +189,7 @@ def test_alerts_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         main(["alerts", "check", str(NOTIFY), str(typo), str(tmp_path / "absent.yaml")])
     assert exit_info.value.code == 1
     out, err = capsys.readouterr()
-    assert out == f"{NOTIFY}: SUCCESS: notification file, 1 receivers, 2 inhibit rules, 0 Alertmanagers\n"
+    assert out == f"{NOTIFY}: SUCCESS: notification file, 1 receiver, 2 inhibit rules, 0 Alertmanagers\n"
     assert f"FAILED: {typo}: unknown field 'group'; known: groups" in err
     assert f"FAILED: {tmp_path / 'absent.yaml'}: cannot read: No such file or directory" in err
 

@@ -11,11 +11,13 @@ Run it as ``make test`` does (``python -m pytest``): it imports the shared test 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -133,11 +135,14 @@ def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path
         hook.close()
     log = (tmp_path / "up.log").read_text()
     assert up_rc == 0, log[-3000:]
-    assert "swa_window pool squeezed to 0 cached pages" in log and "swa_window pool released" in log
+    squeezed_at = _clock(log, "squeezed to 0 cached pages")
+    released_at = _clock(log, "released")
     transitions = [json.loads(line) for line in (data / "alerts.log").read_text().splitlines()]
     assert [t["status"] for t in transitions] == ["firing", "resolved"], transitions
     fired, resolved = transitions
     assert fired["value"] < 0.2 and fired["labels"]["severity"] == "page"
+    assert squeezed_at < fired["at"] < released_at  # it fired during the squeeze ...
+    assert resolved["at"] > released_at  # ... and resolved only once the pool was released
     # the page: one firing alert through Alertmanager, within two evaluation intervals (plus
     # Alertmanager's own group_wait of 1 s) of the evaluation that fired it after `for`
     firing = hook.alerts("firing")
@@ -156,3 +161,10 @@ def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path
     # and the agent's own log receiver got the same page and resolve once each
     notified = [json.loads(line) for line in (data / "notifications.jsonl").read_text().splitlines()]
     assert [n["status"] for n in notified] == ["firing", "resolved"]
+
+
+def _clock(log: str, event: str) -> float:
+    """The unix time ``kvscope up`` logged for a squeeze event (``... at 30 s (2026-...Z)``)."""
+    match = re.search(rf"swa_window pool {event}.* at \d+ s \((\S+)Z\)", log)
+    assert match, f"no '{event}' line in the log"
+    return datetime.fromisoformat(match.group(1)).replace(tzinfo=UTC).timestamp()
