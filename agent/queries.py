@@ -296,6 +296,21 @@ RECENT_REQUESTS = NamedQuery(
     ),
 )
 
+ENGINES = NamedQuery(
+    name="engines",
+    description="The engines and models that finished requests in the window, busiest first.",
+    sql="""
+    SELECT engine_id, model, count(*) AS requests, max(ts) AS last_seen
+    FROM requests
+    WHERE ts >= $now - to_seconds($since_seconds::BIGINT)
+    GROUP BY engine_id, model
+    ORDER BY requests DESC, engine_id, model
+    LIMIT 1000
+    """,
+    params=(_SINCE,),
+    columns=("engine_id", "model", "requests", "last_seen"),
+)
+
 ALERTS_RECENT = NamedQuery(
     name="alerts_recent",
     description=(
@@ -383,6 +398,7 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             HIT_RATE_TIMESERIES,
             FORM_USABLE_TIMESERIES,
             RECENT_REQUESTS,
+            ENGINES,
             ALERTS_RECENT,
             INGEST_SEQ_GAPS,
             FORM_WINDOW,

@@ -2,6 +2,8 @@
 
 * :mod:`dashboard.client` — the agent client (named queries as DataFrames, readable errors);
 * :mod:`dashboard.app` — the entry script (``streamlit run dashboard/app.py -- --agent URL``);
+* :mod:`dashboard.common` — the shared client, cached queries and sidebar filters;
 * :mod:`dashboard.overview` — the Overview page;
+* :mod:`dashboard.alerts_page` — the Alerts page (firing and pending, silences, history);
 * :mod:`dashboard.launch` — the command line the CLI spawns.
 """

@@ -2,7 +2,8 @@
 
 The agent URL comes from ``--agent`` (script arguments after ``--``), else ``KVSCOPE_AGENT_URL``,
 else ``http://127.0.0.1:9400``; a bearer token from ``KVSCOPE_TOKEN``. Pages are declared with
-``st.navigation``; more join the Overview in later issues.
+``st.navigation``; the sidebar's filters (time range, engine, model, form) carry across pages and
+live in the URL (:mod:`dashboard.common`).
 """
 
 from __future__ import annotations
@@ -18,19 +19,23 @@ except ImportError:  # run by path from a source checkout: make the package impo
 
 import streamlit as st
 
-from dashboard import overview
+from dashboard import alerts_page, overview
 from dashboard.client import client_from
+from dashboard.common import CLIENT_KEY
 
 
 def main() -> None:
     st.set_page_config(page_title="kvscope", layout="wide")
     try:
-        st.session_state[overview.CLIENT_KEY] = client_from(sys.argv[1:], os.environ)
+        st.session_state[CLIENT_KEY] = client_from(sys.argv[1:], os.environ)
     except ValueError as exc:
         st.error(f"Cannot use the agent URL: {exc}")
         st.stop()
     page = st.navigation(
-        [st.Page(overview.render, title="Overview", url_path="overview", default=True)]
+        [
+            st.Page(overview.render, title="Overview", url_path="overview", default=True),
+            st.Page(alerts_page.render, title="Alerts", url_path="alerts"),
+        ]
     )
     page.run()
 

@@ -14,49 +14,13 @@ Panels (all from the agent's named queries, refreshed every :data:`REFRESH_SECON
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.client import AgentClient, AgentError, client_from, query_frame
-
-CLIENT_KEY = "kvscope_agent_client"
-REFRESH_SECONDS = 5
-CACHE_TTL_SECONDS = 4
-WINDOWS: dict[str, tuple[int, int]] = {
-    "5 minutes": (300, 10),
-    "15 minutes": (900, 15),
-    "1 hour": (3600, 60),
-    "6 hours": (6 * 3600, 300),
-    "24 hours": (86400, 900),
-}
-"""Window label → (since_seconds, bucket_seconds)."""
-DEFAULT_WINDOW = "15 minutes"
-
-
-def current_client() -> AgentClient:
-    """The client the entry script stored in the session (or one from argv/env)."""
-    client = st.session_state.get(CLIENT_KEY)
-    if not isinstance(client, AgentClient):
-        client = client_from(sys.argv[1:], os.environ)
-        st.session_state[CLIENT_KEY] = client
-    return client
-
-
-@st.cache_data(ttl=CACHE_TTL_SECONDS, show_spinner=False)
-def cached_query(
-    base_url: str, token: str | None, name: str, params: tuple[tuple[str, object], ...]
-) -> pd.DataFrame:
-    """A named query's rows, cached per (agent, query, parameters) for a few seconds.
-    Errors are not cached."""
-    return query_frame(AgentClient(base_url=base_url, token=token), name, **dict(params))
-
-
-def _query(client: AgentClient, name: str, **params: object) -> pd.DataFrame:
-    return cached_query(client.base_url, client.token, name, tuple(sorted(params.items())))
+from dashboard.client import AgentClient, AgentError
+from dashboard.common import REFRESH_SECONDS, Filters, current_client, query, sidebar_filters
 
 
 def _percent(ratio: float | None) -> str:
@@ -76,18 +40,16 @@ def render() -> None:
         "Recoverable hit rate = prompt tokens served from cache with no recomputation / prompt "
         "tokens; raw hit rate = hash-hit tokens / prompt tokens. Ratios of token sums per bucket."
     )
-    label = st.selectbox("Window", list(WINDOWS), index=list(WINDOWS).index(DEFAULT_WINDOW), key="overview_window")
-    since_seconds, bucket_seconds = WINDOWS[label]
-    live_panels(current_client(), since_seconds, bucket_seconds)
+    client = current_client()
+    live_panels(client, sidebar_filters(client))
 
 
 @st.fragment(run_every=REFRESH_SECONDS)
-def live_panels(client: AgentClient, since_seconds: int, bucket_seconds: int) -> None:
+def live_panels(client: AgentClient, filters: Filters) -> None:
     """The live part of the page; reruns on its own every :data:`REFRESH_SECONDS`."""
-    window = {"since_seconds": since_seconds, "bucket_seconds": bucket_seconds}
     try:
-        rates = _query(client, "hit_rate_timeseries", **window)
-        forms = _query(client, "form_usable_timeseries", **window)
+        rates = query(client, "hit_rate_timeseries", **filters.params())
+        forms = query(client, "form_usable_timeseries", **filters.params())
     except AgentError as exc:
         st.error(str(exc))
         return
@@ -114,6 +76,8 @@ def live_panels(client: AgentClient, since_seconds: int, bucket_seconds: int) ->
         )
     )
     st.subheader("Usable rate per form")
+    if filters.form is not None:
+        forms = forms[forms["form"] == filters.form]
     if forms.empty:
         st.info("No cache lookups in this window yet.")
     else:

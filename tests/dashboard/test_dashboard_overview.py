@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,14 +12,11 @@ import httpx
 import msgspec
 import pyarrow as pa
 import pytest
-import uvicorn
 from streamlit.testing.v1 import AppTest
 
-from agent.app import create_app
-from agent.config import AgentConfig
-from agent.store import Store
 from dashboard.client import AgentClient, AgentError, query_frame, resolve_agent_url
 from dashboard.launch import APP_PATH, streamlit_command
+from tests.dashboard.agent_fixture import running_agent
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 
@@ -70,23 +66,7 @@ def agent_url(tmp_path: Path) -> Iterator[str]:
     """A real agent on a free 127.0.0.1 port with a known batch: in the latest minute bucket
     3000 of 4000 prompt tokens are recoverable (75.0%) and 3800 hash hits (95.0%); the bucket
     before it has 1000 of 2000 (50.0%)."""
-    config = AgentConfig(data_dir=tmp_path, port=0)
-    store = Store.open(config.db_path)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config, store, environ={}), log_level="warning", lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "agent did not start"
-            time.sleep(0.01)
-        url = f"http://127.0.0.1:{port}"
+    with running_agent(tmp_path) as agent:
         base = (int(time.time()) // 60 - 2) * 60
         events = [
             request(base - 30, "r0", 2000, 1000, 1000),
@@ -100,15 +80,10 @@ def agent_url(tmp_path: Path) -> Iterator[str]:
             {"schema_version": 1, "engine_id": "e1", "seq": 1, "sent_at": base, "events": events}
         )
         response = httpx.post(
-            f"{url}/v1/events", content=body, headers={"content-type": "application/json"}
+            f"{agent.url}/v1/events", content=body, headers={"content-type": "application/json"}
         )
         assert response.json() == {"status": "stored", "events": 6}
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-        store.close()
+        yield agent.url
 
 
 def chart_points(at: AppTest, index: int, series: str, value: str) -> dict[str, list[float]]:

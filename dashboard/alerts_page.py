@@ -1,0 +1,173 @@
+"""The Alerts page: what is firing or pending now, what happened, and the silences.
+
+* **Firing and pending** (``GET /v1/alerts``, refreshed every :data:`REFRESH_SECONDS`): state,
+  alert, labels, value, since when, summary and the runbook link;
+* **Silences** (``GET/POST /v1/silences``, ``DELETE /v1/silences/{id}``): the list with states,
+  a form to create one (matchers in Alertmanager's syntax, one per line) and a button to expire
+  one;
+* **History** (the ``alerts_recent`` named query): transitions, and with "deliveries" also the
+  notifications sent and the failed deliveries (receiver, error).
+
+The sidebar's engine filter narrows the firing, pending and history tables to that engine.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+from datetime import UTC, datetime
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.client import AgentClient, AgentError
+from dashboard.common import REFRESH_SECONDS, Filters, current_client, query, sidebar_filters
+
+HISTORY_LIMIT = 500
+
+
+def render() -> None:
+    """The page body (called by ``st.navigation``)."""
+    st.title("Alerts")
+    client = current_client()
+    filters = sidebar_filters(client)
+    active_panel(client, filters)
+    silences_panel(client)
+    history_panel(client, filters)
+
+
+def _when(unix: float | None) -> str:
+    if unix is None or pd.isna(unix):
+        return ""
+    return datetime.fromtimestamp(float(unix), UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@st.fragment(run_every=REFRESH_SECONDS)
+def active_panel(client: AgentClient, filters: Filters) -> None:
+    """Firing and pending alerts, live."""
+    st.subheader("Firing and pending")
+    try:
+        alerts = client.active_alerts()
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    if filters.engine is not None:
+        alerts = [a for a in alerts if a["labels"].get("engine") == filters.engine]
+    if not alerts:
+        st.success("Nothing is firing or pending.")
+        return
+    firing = sum(a["state"] == "firing" for a in alerts)
+    st.metric("Firing", firing)
+    rows = pd.DataFrame(
+        [
+            {
+                "state": a["state"],
+                "alert": a["alertname"],
+                "labels": ", ".join(f"{k}={v}" for k, v in sorted(a["labels"].items())),
+                "value": a["value"],
+                "since (UTC)": _when(a["firing_since"] if a["state"] == "firing" else a["active_at"]),
+                "summary": a["annotations"].get("summary", ""),
+                "runbook": a["annotations"].get("runbook_url") or None,
+            }
+            for a in alerts
+        ]
+    )
+    st.dataframe(
+        rows,
+        hide_index=True,
+        column_config={"runbook": st.column_config.LinkColumn("runbook", display_text="runbook")},
+    )
+
+
+def silences_panel(client: AgentClient) -> None:
+    """The silences, and forms to create and expire them."""
+    st.subheader("Silences")
+    try:
+        silences = client.silences()
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    if silences:
+        st.dataframe(
+            pd.DataFrame(
+                [
+                    {
+                        "state": s["state"],
+                        "matchers": " ".join(s["matchers"]),
+                        "starts (UTC)": _when(s["starts_at"]),
+                        "ends (UTC)": _when(s["ends_at"]),
+                        "created by": s["created_by"],
+                        "comment": s["comment"],
+                        "id": s["id"],
+                    }
+                    for s in silences
+                ]
+            ),
+            hide_index=True,
+        )
+    else:
+        st.caption("No silences.")
+    with st.form("new_silence", clear_on_submit=False):
+        st.markdown("**New silence** — alerts matching every matcher are not notified")
+        matchers = st.text_area("Matchers, one per line", placeholder='engine="e1"\nalertname=~"RecoverableHitRate.*"')
+        duration = st.text_input("Duration", value="1h")
+        comment = st.text_input("Comment")
+        author = st.text_input("Created by", value=_user())
+        if st.form_submit_button("Create silence"):
+            try:
+                created = client.create_silence(
+                    matchers=[line.strip() for line in matchers.splitlines() if line.strip()],
+                    duration=duration.strip(),
+                    comment=comment,
+                    created_by=author,
+                )
+            except AgentError as exc:
+                st.error(f"The silence was not created: {exc}")
+            else:
+                st.success(f"Silence {created['id']} created, until {_when(created['ends_at'])} UTC.")
+    live = [s for s in silences if s["state"] != "expired"]
+    if live:
+        chosen = st.selectbox(
+            "Expire a silence", [s["id"] for s in live], format_func=lambda i: _label(i, live), key="expire_silence"
+        )
+        if st.button("Expire"):
+            try:
+                client.expire_silence(chosen)
+            except AgentError as exc:
+                st.error(f"The silence was not expired: {exc}")
+            else:
+                st.success(f"Silence {chosen} expired.")
+
+
+def _label(silence_id: str, silences: list[dict[str, object]]) -> str:
+    found = next(s for s in silences if s["id"] == silence_id)
+    return f"{' '.join(found['matchers'])} — {found['comment']} ({silence_id[:8]})"  # type: ignore[arg-type]
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return ""
+
+
+def history_panel(client: AgentClient, filters: Filters) -> None:
+    """Transitions, optionally with deliveries, newest first."""
+    st.subheader("History")
+    deliveries = st.toggle("Show deliveries (notifications sent and failed)", key="alerts_deliveries")
+    try:
+        rows = query(client, "alerts_recent", limit=HISTORY_LIMIT)
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    if not deliveries:
+        rows = rows[rows["event"] == "transition"]
+    if filters.engine is not None:
+        rows = rows[[json.loads(labels).get("engine") == filters.engine for labels in rows["labels"]]]
+    if rows.empty:
+        st.caption("No alerts yet.")
+        return
+    columns = ["ts", "alert", "state", "value", "labels", "summary"]
+    if deliveries:
+        columns += ["event", "receiver", "error"]
+    st.dataframe(rows[columns], hide_index=True)
