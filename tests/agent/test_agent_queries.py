@@ -117,6 +117,12 @@ def test_alerts_recent_empty(loaded: TestClient) -> None:
     assert rows(loaded, "alerts_recent") == []
 
 
+def test_engines(loaded: TestClient) -> None:
+    seen = rows(loaded, "engines", since_seconds=366 * 86400)
+    assert [(r["engine_id"], r["model"], r["requests"]) for r in seen] == [("e1", "m1", 2)]  # r1, r2
+    assert rows(loaded, "engines", since_seconds=1) == []  # nothing in the last second
+
+
 @pytest.mark.parametrize(
     ("params", "param", "reason"),
     [
