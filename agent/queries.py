@@ -296,6 +296,18 @@ RECENT_REQUESTS = NamedQuery(
     ),
 )
 
+SCHEMA = NamedQuery(
+    name="schema",
+    description="The tables and columns SQL can read (the dashboard's SQL page shows them).",
+    sql="""
+    SELECT table_name, column_name, data_type
+    FROM information_schema.columns
+    WHERE table_schema = 'main'
+    ORDER BY table_name, ordinal_position
+    """,
+    columns=("table_name", "column_name", "data_type"),
+)
+
 ENGINES = NamedQuery(
     name="engines",
     description="The engines and models that finished requests in the window, busiest first.",
@@ -399,6 +411,7 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             FORM_USABLE_TIMESERIES,
             RECENT_REQUESTS,
             ENGINES,
+            SCHEMA,
             ALERTS_RECENT,
             INGEST_SEQ_GAPS,
             FORM_WINDOW,
