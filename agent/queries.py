@@ -265,14 +265,14 @@ FORM_USABLE_TIMESERIES = NamedQuery(
 RECENT_REQUESTS = NamedQuery(
     name="recent_requests",
     description="The latest requests, newest first.",
-    sql="""
+    sql=f"""
     SELECT * EXCLUDE (ingested_at)
     FROM requests
-    WHERE $engine_id::VARCHAR IS NULL OR engine_id = $engine_id
+    WHERE {_FILTER.format(t="")}
     ORDER BY ts DESC, request_id
     LIMIT $limit
     """,
-    params=(_LIMIT, _engine()),
+    params=(_LIMIT, _engine(), _MODEL),
     columns=(
         "ts",
         "engine_id",
@@ -293,6 +293,44 @@ RECENT_REQUESTS = NamedQuery(
         "e2e_seconds",
         "predicted_seconds",
         "actual_seconds",
+    ),
+)
+
+REQUEST_LOOKUPS = NamedQuery(
+    name="request_lookups",
+    description=(
+        "One request's lookups per form (the minimum over its layer groups and tensor-parallel "
+        "ranks, as the resume point sees them): outcome, reason, tier, hash-hit, usable and "
+        "recoverable tokens, replayed tokens, recovery seconds."
+    ),
+    sql="""
+    SELECT form,
+           arg_min(outcome, usable_tokens) AS outcome,
+           arg_min(reason, usable_tokens) AS reason,
+           arg_min(tier, usable_tokens) AS tier,
+           min(hash_hit_tokens)::BIGINT AS hash_hit_tokens,
+           min(usable_tokens)::BIGINT AS usable_tokens,
+           min(recoverable_tokens)::BIGINT AS recoverable_tokens,
+           max(replayed_tokens)::BIGINT AS replayed_tokens,
+           bool_or(approximate) AS approximate,
+           max(recovery_seconds) AS recovery_seconds
+    FROM cache_lookups
+    WHERE request_id = $request_id AND ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id)
+    GROUP BY form
+    ORDER BY usable_tokens, form
+    """,
+    params=(QueryParam(name="request_id", kind=str, description="the request"), _engine()),
+    columns=(
+        "form",
+        "outcome",
+        "reason",
+        "tier",
+        "hash_hit_tokens",
+        "usable_tokens",
+        "recoverable_tokens",
+        "replayed_tokens",
+        "approximate",
+        "recovery_seconds",
     ),
 )
 
@@ -412,6 +450,7 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             RECENT_REQUESTS,
             ENGINES,
             SCHEMA,
+            REQUEST_LOOKUPS,
             ALERTS_RECENT,
             INGEST_SEQ_GAPS,
             FORM_WINDOW,

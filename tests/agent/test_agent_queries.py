@@ -117,6 +117,16 @@ def test_alerts_recent_empty(loaded: TestClient) -> None:
     assert rows(loaded, "alerts_recent") == []
 
 
+def test_request_lookups_takes_each_forms_minimum(loaded: TestClient) -> None:
+    forms = rows(loaded, "request_lookups", request_id="r2")
+    assert [(f["form"], f["outcome"], f["tier"], f["usable_tokens"], f["replayed_tokens"], f["approximate"], f["recovery_seconds"]) for f in forms] == [
+        ("linear_state", "replayed", "device", 2400, 200, True, 0.0),  # the shortest first: it set L*
+        ("full_kv", "recovered", "host", 3000, 0, False, 0.25),
+    ]
+    assert rows(loaded, "request_lookups", request_id="r2", engine_id="other") == []
+    assert rows(loaded, "request_lookups", request_id="nope") == []
+
+
 def test_engines(loaded: TestClient) -> None:
     seen = rows(loaded, "engines", since_seconds=366 * 86400)
     assert [(r["engine_id"], r["model"], r["requests"]) for r in seen] == [("e1", "m1", 2)]  # r1, r2

@@ -1,0 +1,108 @@
+"""The Requests page (issue 8, item 3) against a real agent holding a limiting-form case: the
+table, the search, one request's forms against its hash hit and L*, its plan and timings; and an
+empty store."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from tests.dashboard.agent_fixture import RunningAgent, running_agent
+
+PAGE = "from dashboard import requests_page\nrequests_page.render()\n"
+NOW = time.time()
+
+
+def request(rid: str, ts: float, prompt: int, hash_hit: int, resume: int, **extra: object) -> dict[str, object]:
+    return {
+        "kind": "request", "ts": ts, "engine_id": "e1", "request_id": rid, "model": "m1", "prompt_tokens": prompt,
+        "output_tokens": 4, "hash_hit_tokens": hash_hit, "resume_tokens": resume, "recoverable_tokens": resume,
+        "replayed_tokens": 0, "recomputed_tokens": prompt - resume, "admission": "exact", "ttft_seconds": 0.25,
+        "e2e_seconds": 0.5, **extra,
+    }  # fmt: skip
+
+
+def lookup(rid: str, form: str, hash_hit: int, usable: int, outcome: str = "hit", reason: str = "none", group: int = 0) -> dict[str, object]:
+    return {
+        "kind": "cache_lookup", "ts": NOW - 10, "engine_id": "e1", "request_id": rid, "model": "m1", "form": form,
+        "tier": "device", "outcome": outcome, "reason": reason, "hash_hit_tokens": hash_hit, "usable_tokens": usable,
+        "recoverable_tokens": usable, "layer_group": group,
+    }  # fmt: skip
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[RunningAgent]:
+    """r-swa: 2048 prompt tokens, 1024 hash-hit; full_kv usable 1024, swa_window only 512 (its
+    window was evicted: it limits L* to 512), linear_state 896 in one layer group and 640 in the
+    other (the form counts its minimum, 640). r-cold: nothing cached."""
+    with running_agent(tmp_path) as running:
+        events = [
+            lookup("r-swa", "full_kv", 1024, 1024),
+            lookup("r-swa", "swa_window", 1024, 512, "invalidated", "swa_evicted"),
+            lookup("r-swa", "linear_state", 1024, 896, group=0),
+            lookup("r-swa", "linear_state", 1024, 640, "invalidated", "linear_checkpoint_missing", group=1),
+            request("r-swa", NOW - 9, 2048, 1024, 512, limiting_form="swa_window", limiting_reason="swa_evicted",
+                    admission="exact", predicted_seconds=0.2, actual_seconds=0.3),
+            request("r-cold", NOW - 5, 1000, 0, 0),
+        ]  # fmt: skip
+        body = {"schema_version": 1, "engine_id": "e1", "seq": 0, "sent_at": NOW, "events": events}
+        response = httpx.post(f"{running.url}/v1/events", json=body, timeout=10)
+        assert response.json()["status"] == "stored", response.text
+        yield running
+
+
+def page(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> AppTest:
+    monkeypatch.setenv("KVSCOPE_AGENT_URL", agent.url)
+    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
+    return AppTest.from_string(PAGE, default_timeout=30).run()
+
+
+def test_table_search_and_one_requests_forms_against_l_star(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = page(agent, monkeypatch)
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    table = at.dataframe[0].value
+    assert table[["request_id", "resume_tokens", "limiting_form"]].fillna("-").values.tolist() == [
+        ["r-cold", 0, "-"],
+        ["r-swa", 512, "swa_window"],
+    ]
+    at.text_input(key="request_search").input("swa").run()
+    assert at.dataframe[0].value["request_id"].tolist() == ["r-swa"]
+    assert at.selectbox(key="request_chosen").value == "r-swa (e1)"
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics == {
+        "Prompt tokens": "2,048", "Resume point L*": "512", "Admission": "exact",
+        "Predicted / actual": "0.200 s / 0.300 s", "TTFT": "0.250 s",
+    }  # fmt: skip
+    assert at.caption[-1].value == "Limited by swa_window (swa_evicted)."
+    forms = at.dataframe[1].value
+    assert forms[["form", "outcome", "reason", "usable_tokens", "hash_hit_tokens"]].values.tolist() == [
+        ["swa_window", "invalidated", "swa_evicted", 512, 1024],
+        ["linear_state", "invalidated", "linear_checkpoint_missing", 640, 1024],  # its shorter layer group
+        ["full_kv", "hit", "none", 1024, 1024],
+    ]
+    (chart,) = at.get("vega_lite_chart")
+    spec = json.loads(chart.proto.spec)
+    assert [layer["mark"]["type"] if isinstance(layer["mark"], dict) else layer["mark"] for layer in spec["layer"]] == ["bar", "bar", "rule"]
+    datasets = [pa.ipc.open_stream(d.data.data).read_all().to_pydict() for d in chart.proto.datasets]
+    assert {"L*": [512]} in datasets  # the resume point's rule
+    bars = next(d for d in datasets if "usable_tokens" in d)
+    assert dict(zip(bars["form"], bars["usable_tokens"], strict=True)) == {"swa_window": 512, "linear_state": 640, "full_kv": 1024}
+
+
+def test_a_request_without_lookups_and_an_empty_store(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    at = page(agent, monkeypatch)
+    at.selectbox(key="request_chosen").set_value("r-cold (e1)").run()
+    assert at.caption[-1].value == "No form limited the resume point."
+    assert at.info[0].value == "No cache lookups were stored for this request."
+    at.text_input(key="request_search").input("nothing-like-this").run()
+    assert at.info[0].value == "No requests match."
+    with running_agent(tmp_path / "empty") as empty:
+        bare = page(empty, monkeypatch)
+    assert not bare.exception and bare.info[0].value == "No requests stored yet."
