@@ -21,6 +21,8 @@ from types import MappingProxyType
 
 import duckdb
 
+from agent.migrations import RECOVERY_BUCKETS_V3, bucket_column
+
 MAX_NAME_CHARS = 256
 
 
@@ -439,6 +441,48 @@ FORM_WINDOW = NamedQuery(
     ),
 )
 
+_LE_COLUMNS = [bucket_column(b) for b in RECOVERY_BUCKETS_V3]
+
+FORM_TIMESERIES = NamedQuery(
+    name="form_timeseries",
+    description=(
+        "Per time bucket (whole minutes, from the cache_minute rollup), form, tier, outcome and "
+        "reason: lookups, hash-hit and recoverable tokens, and the cumulative recovery-latency "
+        "bucket counts (recovery_le_*: lookups that recovered or replayed state within that many "
+        "seconds). The Forms page's outcomes, reasons, latency quantiles, heatmap and tier split."
+    ),
+    sql=f"""
+    SELECT time_bucket(to_seconds(greatest($bucket_seconds::BIGINT, 60)), minute, TIMESTAMP '1970-01-01') AS bucket,
+           form, tier, outcome, reason,
+           sum(lookups)::BIGINT AS lookups,
+           sum(hash_hit_tokens)::BIGINT AS hash_hit_tokens,
+           sum(recoverable_tokens)::BIGINT AS recoverable_tokens,
+           {", ".join(f"sum({c})::BIGINT AS {c}" for c in _LE_COLUMNS)}
+    FROM cache_minute
+    WHERE minute >= $now - to_seconds($since_seconds::BIGINT)
+      AND ($form::VARCHAR IS NULL OR form = $form)
+      AND {_FILTER.format(t="")}
+    GROUP BY ALL
+    ORDER BY bucket, form, tier, outcome, reason
+    """,
+    params=(_SINCE, _BUCKET, _engine(), _MODEL, QueryParam(name="form", kind=str, description="only this form")),
+    columns=("bucket", "form", "tier", "outcome", "reason", "lookups", "hash_hit_tokens", "recoverable_tokens", *_LE_COLUMNS),
+)
+
+LIMITING_FORMS = NamedQuery(
+    name="limiting_forms",
+    description="Per time bucket: requests by the form that set their resume point (NULL: none limited it).",
+    sql=f"""
+    SELECT {_BUCKET_EXPR.format(t="")} AS bucket, limiting_form, count(*) AS requests
+    FROM requests
+    WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+    GROUP BY ALL
+    ORDER BY bucket, limiting_form NULLS FIRST
+    """,
+    params=(_SINCE, _BUCKET, _engine(), _MODEL),
+    columns=("bucket", "limiting_form", "requests"),
+)
+
 NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
     {
         q.name: q
@@ -454,6 +498,8 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             ALERTS_RECENT,
             INGEST_SEQ_GAPS,
             FORM_WINDOW,
+            FORM_TIMESERIES,
+            LIMITING_FORMS,
         )
     }
 )

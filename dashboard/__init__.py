@@ -5,6 +5,7 @@
 * :mod:`dashboard.common` — the shared client, cached queries and sidebar filters;
 * :mod:`dashboard.overview` — the Overview page;
 * :mod:`dashboard.alerts_page` — the Alerts page (firing and pending, silences, history);
+* :mod:`dashboard.forms_page` — one form: outcomes, reasons, recovery latency, tiers, L* share;
 * :mod:`dashboard.requests_page` — recent requests and one request's forms against L*;
 * :mod:`dashboard.sql_page` — the SQL console;
 * :mod:`dashboard.launch` — the command line the CLI spawns.

@@ -19,7 +19,7 @@ except ImportError:  # run by path from a source checkout: make the package impo
 
 import streamlit as st
 
-from dashboard import alerts_page, overview, requests_page, sql_page
+from dashboard import alerts_page, forms_page, overview, requests_page, sql_page
 from dashboard.client import client_from
 from dashboard.common import CLIENT_KEY
 
@@ -34,6 +34,7 @@ def main() -> None:
     page = st.navigation(
         [
             st.Page(overview.render, title="Overview", url_path="overview", default=True),
+            st.Page(forms_page.render, title="Forms", url_path="forms"),
             st.Page(requests_page.render, title="Requests", url_path="requests"),
             st.Page(alerts_page.render, title="Alerts", url_path="alerts"),
             st.Page(sql_page.render, title="SQL", url_path="sql"),

@@ -10,6 +10,7 @@ from agent_testdata import batch, json_body, request_event
 from fastapi.testclient import TestClient
 
 from agent.queries import NAMED_QUERIES
+from agent.store import Store
 
 JSON = {"content-type": "application/json"}
 
@@ -125,6 +126,19 @@ def test_request_lookups_takes_each_forms_minimum(loaded: TestClient) -> None:
     ]
     assert rows(loaded, "request_lookups", request_id="r2", engine_id="other") == []
     assert rows(loaded, "request_lookups", request_id="nope") == []
+
+
+def test_form_timeseries_and_limiting_forms(loaded: TestClient, store: Store) -> None:
+    from agent.ingest import fold_cache_minute
+
+    fold_cache_minute(store)
+    rows_ = rows(loaded, "form_timeseries", since_seconds=366 * 86400, bucket_seconds=86400, form="full_kv")
+    assert [(r["tier"], r["outcome"], r["lookups"], r["recovery_le_0_25"], r["recovery_le_0_1"]) for r in rows_] == [
+        ("device", "hit", 1, 0, 0),
+        ("host", "recovered", 1, 1, 0),  # r2's swap-in took 0.25 s
+    ]
+    limiting = rows(loaded, "limiting_forms", since_seconds=366 * 86400, bucket_seconds=86400)
+    assert sorted((r["limiting_form"], r["requests"]) for r in limiting) == [("linear_state", 1), ("swa_window", 1)]
 
 
 def test_engines(loaded: TestClient) -> None:

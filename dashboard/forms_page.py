@@ -1,0 +1,169 @@
+"""The Forms page: one form's story (the sidebar's form, else the one chosen here).
+
+From the ``cache_minute`` rollup (``form_timeseries``, whole minutes) and ``limiting_forms``:
+
+* outcomes over time (hit, recovered, replayed, invalidated, miss) — lookups per bucket;
+* top reasons the form was not reused, as a Pareto chart (bars, and the cumulative share);
+* recovery latency p50 / p95 / p99 over time, estimated from the cumulative latency buckets as
+  Prometheus's ``histogram_quantile`` does (:func:`alerts.rule_eval.histogram_quantile`), and the
+  same buckets as a heatmap (recoveries per latency band per time bucket);
+* the tier split (device / host / disk): lookups and recoverable tokens;
+* how often this form set the resume point L* (its share of requests, per bucket).
+"""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from agent.ingest import RECOVERING_OUTCOMES, RECOVERY_BUCKETS
+from agent.migrations import bucket_column
+from alerts.rule_eval import histogram_quantile
+from dashboard.client import AgentError
+from dashboard.common import FORMS, current_client, query, sidebar_filters
+
+LE_COLUMNS = [bucket_column(b) for b in RECOVERY_BUCKETS]
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def render() -> None:
+    """The page body (called by ``st.navigation``)."""
+    st.title("Forms")
+    client = current_client()
+    filters = sidebar_filters(client)
+    form = filters.form or st.selectbox("Form", list(FORMS), key="forms_form")
+    if filters.form:
+        st.caption(f"Form {form} (set in the sidebar).")
+    params = {**filters.params(), "bucket_seconds": max(filters.bucket_seconds, 60)}
+    try:
+        rows = query(client, "form_timeseries", form=form, **params)
+        limiting = query(client, "limiting_forms", **filters.params())
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    if rows.empty:
+        st.info(f"No {form} lookups in this window yet (the rollup folds them every few seconds).")
+        return
+    outcomes_panel(rows)
+    reasons_panel(rows)
+    latency_panel(rows)
+    tiers_panel(rows)
+    limiting_panel(limiting, form)
+
+
+def outcomes_panel(rows: pd.DataFrame) -> None:
+    st.subheader("Outcomes over time")
+    wide = rows.groupby(["bucket", "outcome"])["lookups"].sum().unstack(fill_value=0)
+    st.bar_chart(wide)
+
+
+NOT_REUSED = ("invalidated", "miss")
+
+
+def pareto(rows: pd.DataFrame) -> pd.DataFrame:
+    """Lookups per reason the form could not be reused (invalidated or missed; recoveries are
+    reuse at a cost and are on the latency panel), most first, with each reason's share and the
+    cumulative share."""
+    missed = rows[rows["outcome"].isin(NOT_REUSED)]
+    table = missed.groupby("reason", as_index=False)["lookups"].sum().sort_values(["lookups", "reason"], ascending=[False, True])
+    total = table["lookups"].sum()
+    table["share"] = table["lookups"] / total if total else 0.0
+    table["cumulative_share"] = table["share"].cumsum()
+    return table.reset_index(drop=True)
+
+
+def reasons_panel(rows: pd.DataFrame) -> None:
+    st.subheader("Why it was not reused")
+    table = pareto(rows)
+    if table.empty:
+        st.success("Every lookup of this form was a hit.")
+        return
+    order = table["reason"].tolist()
+    bars = alt.Chart(table).mark_bar().encode(x=alt.X("reason:N", sort=order, title=None), y=alt.Y("lookups:Q"))
+    line = (
+        alt.Chart(table)
+        .mark_line(point=True, color="#d62728")
+        .encode(x=alt.X("reason:N", sort=order), y=alt.Y("cumulative_share:Q", axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1])))
+    )
+    st.altair_chart(alt.LayerChart(layer=[bars, line]).resolve_scale(y="independent"), width="stretch")
+    st.dataframe(table, hide_index=True)
+
+
+def latency_quantiles(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per bucket: recoveries and the p50/p95/p99 recovery seconds (NaN without recoveries)."""
+    recovering = rows[rows["outcome"].isin(RECOVERING_OUTCOMES)]
+    per_bucket = recovering.groupby("bucket")[["lookups", *LE_COLUMNS]].sum()
+    out = []
+    for bucket, r in per_bucket.iterrows():
+        cumulative = [int(r[c]) for c in LE_COLUMNS] + [int(r["lookups"])]
+        out.append(
+            {
+                "bucket": bucket,
+                "recoveries": int(r["lookups"]),
+                **{f"p{round(q * 100)}": histogram_quantile(q, RECOVERY_BUCKETS, cumulative) for q in QUANTILES},
+            }
+        )
+    return pd.DataFrame(out, columns=["bucket", "recoveries", *(f"p{round(q * 100)}" for q in QUANTILES)])
+
+
+def latency_heatmap(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per bucket and latency band (``≤ bound``, and ``> last bound``): recoveries in it."""
+    recovering = rows[rows["outcome"].isin(RECOVERING_OUTCOMES)]
+    per_bucket = recovering.groupby("bucket")[["lookups", *LE_COLUMNS]].sum()
+    cells = []
+    for bucket, r in per_bucket.iterrows():
+        below = 0
+        for bound, column in zip(RECOVERY_BUCKETS, LE_COLUMNS, strict=True):
+            cells.append({"bucket": bucket, "band": f"≤ {bound:g} s", "recoveries": int(r[column]) - below})
+            below = int(r[column])
+        cells.append({"bucket": bucket, "band": f"> {RECOVERY_BUCKETS[-1]:g} s", "recoveries": int(r["lookups"]) - below})
+    return pd.DataFrame(cells, columns=["bucket", "band", "recoveries"])
+
+
+def latency_panel(rows: pd.DataFrame) -> None:
+    st.subheader("Recovery latency")
+    quantiles = latency_quantiles(rows)
+    if quantiles.empty:
+        st.caption("No recoveries (swap-ins or replays) of this form in the window.")
+        return
+    long = quantiles.melt(id_vars=["bucket"], value_vars=["p50", "p95", "p99"], var_name="quantile", value_name="seconds")
+    st.altair_chart(
+        alt.Chart(long).mark_line(point=True).encode(x=alt.X("bucket:T", title=None), y="seconds:Q", color="quantile:N"),
+        width="stretch",
+    )
+    bands = [f"≤ {b:g} s" for b in RECOVERY_BUCKETS] + [f"> {RECOVERY_BUCKETS[-1]:g} s"]
+    st.altair_chart(
+        alt.Chart(latency_heatmap(rows))
+        .mark_rect()
+        .encode(
+            x=alt.X("bucket:T", title=None),
+            y=alt.Y("band:O", sort=bands[::-1], title="recovery latency"),
+            color=alt.Color("recoveries:Q"),
+            tooltip=["bucket:T", "band:O", "recoveries:Q"],
+        ),
+        width="stretch",
+    )
+
+
+def tiers_panel(rows: pd.DataFrame) -> None:
+    st.subheader("Tier split")
+    tiers = rows.groupby("tier", as_index=False)[["lookups", "recoverable_tokens"]].sum()
+    tiers["share_of_lookups"] = tiers["lookups"] / tiers["lookups"].sum()
+    st.dataframe(tiers, hide_index=True)
+
+
+def limiting_panel(limiting: pd.DataFrame, form: str) -> None:
+    st.subheader(f"How often {form} set L*")
+    if limiting.empty:
+        st.caption("No requests in this window.")
+        return
+    totals = limiting.groupby("bucket")["requests"].sum()
+    mine = limiting[limiting["limiting_form"] == form].groupby("bucket")["requests"].sum()
+    share = (mine.reindex(totals.index, fill_value=0) / totals).rename("share").reset_index()
+    overall = float(mine.sum() / totals.sum())
+    st.metric("Share of requests it limited", f"{overall:.1%}")
+    st.altair_chart(
+        alt.Chart(share).mark_line(point=True).encode(x=alt.X("bucket:T", title=None), y=alt.Y("share:Q", axis=alt.Axis(format="%"))),
+        width="stretch",
+    )
