@@ -483,6 +483,50 @@ LIMITING_FORMS = NamedQuery(
     columns=("bucket", "limiting_form", "requests"),
 )
 
+CAPACITY_TIMESERIES = NamedQuery(
+    name="capacity_timeseries",
+    description=(
+        "Per time bucket, form and tier, from the engines' stats snapshots: each engine's mean "
+        "over the bucket, summed over engines — bytes and blocks used, blocks cached (reusable), "
+        "free and total."
+    ),
+    sql=f"""
+    WITH per_engine AS (
+        SELECT {_BUCKET_EXPR.format(t="")} AS bucket, engine_id, form, tier,
+               avg(used_bytes) AS used_bytes, avg(used_blocks) AS used_blocks, avg(cached_blocks) AS cached_blocks,
+               avg(free_blocks) AS free_blocks, max(total_blocks) AS total_blocks
+        FROM engine_stats
+        WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+        GROUP BY ALL
+    )
+    SELECT bucket, form, tier,
+           sum(used_bytes)::BIGINT AS used_bytes, sum(used_blocks)::BIGINT AS used_blocks,
+           sum(cached_blocks)::BIGINT AS cached_blocks, sum(free_blocks)::BIGINT AS free_blocks,
+           sum(total_blocks)::BIGINT AS total_blocks
+    FROM per_engine
+    GROUP BY ALL
+    ORDER BY bucket, form, tier
+    """,
+    params=(_SINCE, _BUCKET, _engine(), _MODEL),
+    columns=("bucket", "form", "tier", "used_bytes", "used_blocks", "cached_blocks", "free_blocks", "total_blocks"),
+)
+
+GPU_TIMESERIES = NamedQuery(
+    name="gpu_timeseries",
+    description="Per time bucket and GPU, from the agent's NVML sampler: memory used and total, utilisation.",
+    sql=f"""
+    SELECT {_BUCKET_EXPR.format(t="")} AS bucket, gpu_index, any_value(name) AS name,
+           avg(memory_used_bytes)::BIGINT AS memory_used_bytes, max(memory_total_bytes)::BIGINT AS memory_total_bytes,
+           avg(utilization_ratio) AS utilization_ratio
+    FROM gpu_stats
+    WHERE ts >= $now - to_seconds($since_seconds::BIGINT)
+    GROUP BY ALL
+    ORDER BY bucket, gpu_index
+    """,
+    params=(_SINCE, _BUCKET),
+    columns=("bucket", "gpu_index", "name", "memory_used_bytes", "memory_total_bytes", "utilization_ratio"),
+)
+
 NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
     {
         q.name: q
@@ -500,6 +544,8 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             FORM_WINDOW,
             FORM_TIMESERIES,
             LIMITING_FORMS,
+            CAPACITY_TIMESERIES,
+            GPU_TIMESERIES,
         )
     }
 )

@@ -8,5 +8,6 @@
 * :mod:`dashboard.forms_page` — one form: outcomes, reasons, recovery latency, tiers, L* share;
 * :mod:`dashboard.requests_page` — recent requests and one request's forms against L*;
 * :mod:`dashboard.sql_page` — the SQL console;
+* :mod:`dashboard.capacity_page` — pools per form and tier, GPUs;
 * :mod:`dashboard.launch` — the command line the CLI spawns.
 """

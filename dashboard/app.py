@@ -19,7 +19,7 @@ except ImportError:  # run by path from a source checkout: make the package impo
 
 import streamlit as st
 
-from dashboard import alerts_page, forms_page, overview, requests_page, sql_page
+from dashboard import alerts_page, capacity_page, forms_page, overview, requests_page, sql_page
 from dashboard.client import client_from
 from dashboard.common import CLIENT_KEY
 
@@ -38,6 +38,7 @@ def main() -> None:
             st.Page(requests_page.render, title="Requests", url_path="requests"),
             st.Page(alerts_page.render, title="Alerts", url_path="alerts"),
             st.Page(sql_page.render, title="SQL", url_path="sql"),
+            st.Page(capacity_page.render, title="Capacity", url_path="capacity"),
         ]
     )
     page.run()

@@ -1,0 +1,88 @@
+"""The Capacity page (issue 8, item 6) against a real agent: the pools' latest values and their
+series from two engines' stats, GPU memory and utilisation from gpu_stats rows; no GPU said so."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from agent.store import to_timestamp
+from tests.dashboard.agent_fixture import RunningAgent, running_agent
+
+PAGE = "from dashboard import capacity_page\ncapacity_page.render()\n"
+NOW = time.time()
+MiB = 1024 * 1024
+
+
+def stats(engine: str, ts: float, form: str, used: int, cached: int, total: int) -> dict[str, object]:
+    return {
+        "kind": "engine_stats", "ts": ts, "engine_id": engine, "model": "m1", "form": form, "tier": "device",
+        "used_bytes": used * MiB, "used_blocks": used, "cached_blocks": cached, "free_blocks": total - used, "total_blocks": total,
+    }  # fmt: skip
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[RunningAgent]:
+    """Two engines' full_kv pools (64 and 32 blocks of 1 MiB) and e1's swa_window (16 blocks), in
+    one 15-second bucket: e1's full_kv used 40 then 48 blocks (mean 44), e2's 16."""
+    bucket = (int(NOW) // 15 - 2) * 15
+    with running_agent(tmp_path) as running:
+        for seq, (engine, events) in enumerate(
+            [
+                ("e1", [stats("e1", bucket + 1, "full_kv", 40, 30, 64), stats("e1", bucket + 9, "full_kv", 48, 30, 64),
+                        stats("e1", bucket + 1, "swa_window", 8, 4, 16)]),
+                ("e2", [stats("e2", bucket + 2, "full_kv", 16, 10, 32)]),
+            ]
+        ):  # fmt: skip
+            body = {"schema_version": 1, "engine_id": engine, "seq": seq, "sent_at": NOW, "events": events}
+            assert httpx.post(f"{running.url}/v1/events", json=body, timeout=10).json()["status"] == "stored"
+        yield running
+
+
+def page(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch, **query: str) -> AppTest:
+    monkeypatch.setenv("KVSCOPE_AGENT_URL", agent.url)
+    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
+    at = AppTest.from_string(PAGE, default_timeout=30)
+    for name, value in query.items():
+        at.query_params[name] = value
+    return at.run()
+
+
+def test_pools_and_no_gpu(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = page(agent, monkeypatch)
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    pools = at.dataframe[0].value
+    assert pools[["form", "used_blocks", "cached_blocks", "total_blocks"]].values.tolist() == [
+        ["full_kv", 60, 40, 96],  # e1's mean 44 + e2's 16; totals 64 + 32
+        ["swa_window", 8, 4, 16],
+    ]
+    assert pools["used_MiB"].tolist() == [60.0, 8.0] and pools["fill"].tolist() == [0.625, 0.5]
+    assert len(at.get("vega_lite_chart")) == 2
+    assert at.info[0].value.startswith("No GPU samples: the agent found no NVIDIA GPU")
+    narrowed = page(agent, monkeypatch, form="swa_window", engine="e1")
+    assert narrowed.dataframe[0].value["form"].tolist() == ["swa_window"]
+
+
+def test_gpus(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    with agent.store.transaction() as cur:
+        for offset, used, util in ((20, 40, 0.5), (10, 60, 0.7)):
+            cur.execute(
+                "INSERT INTO gpu_stats VALUES ($ts, 0, 'NVIDIA H200', $used, $total, $util)",
+                {"ts": to_timestamp(NOW - offset), "used": used * 1024**3, "total": 141 * 1024**3, "util": util},
+            )
+    at = page(agent, monkeypatch, window="5 minutes")
+    assert not at.exception and not at.error
+    assert [s.value for s in at.subheader] == ["Pools per form and tier", "GPUs"]
+    charts = at.get("vega_lite_chart")
+    assert len(charts) == 4  # two pool charts, GPU memory and utilisation
+    (memory,) = [pa.ipc.open_stream(d.data.data).read_all().to_pydict() for d in charts[2].proto.datasets]
+    assert memory["memory_used_GiB"] == [40.0, 60.0] and memory["gpu"] == ["0 NVIDIA H200"] * 2
+    (utilisation,) = [pa.ipc.open_stream(d.data.data).read_all().to_pydict() for d in charts[3].proto.datasets]
+    assert utilisation["utilization_ratio"] == [0.5, 0.7]
+    assert not at.info
