@@ -527,6 +527,62 @@ GPU_TIMESERIES = NamedQuery(
     columns=("bucket", "gpu_index", "name", "memory_used_bytes", "memory_total_bytes", "utilization_ratio"),
 )
 
+INGEST_HEALTH = NamedQuery(
+    name="ingest_health",
+    description=(
+        "Per time bucket (by when the agent received the batch): batches stored, duplicate and "
+        "rejected, events stored, seq gaps detected, and the p50/p95 ingest lag (seconds from a "
+        "request's ts to its storing)."
+    ),
+    sql="""
+    WITH b AS (
+        SELECT time_bucket(to_seconds($bucket_seconds::BIGINT), received_at, TIMESTAMP '1970-01-01') AS bucket,
+               count(*) FILTER (WHERE status = 'stored') AS stored_batches,
+               count(*) FILTER (WHERE status = 'duplicate') AS duplicate_batches,
+               count(*) FILTER (WHERE status = 'rejected') AS rejected_batches,
+               coalesce(sum(rows) FILTER (WHERE status = 'stored'), 0)::BIGINT AS events
+        FROM ingest_batches
+        WHERE received_at >= $now - to_seconds($since_seconds::BIGINT)
+          AND ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id)
+        GROUP BY ALL
+    ),
+    g AS (
+        SELECT time_bucket(to_seconds($bucket_seconds::BIGINT), detected_at, TIMESTAMP '1970-01-01') AS bucket,
+               sum(last_missing - first_missing + 1)::BIGINT AS missing_batches
+        FROM ingest_gaps
+        WHERE detected_at >= $now - to_seconds($since_seconds::BIGINT)
+          AND ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id)
+        GROUP BY ALL
+    ),
+    l AS (
+        SELECT time_bucket(to_seconds($bucket_seconds::BIGINT), ingested_at, TIMESTAMP '1970-01-01') AS bucket,
+               quantile_cont(epoch(ingested_at) - epoch(ts), 0.5) AS lag_p50_seconds,
+               quantile_cont(epoch(ingested_at) - epoch(ts), 0.95) AS lag_p95_seconds
+        FROM requests
+        WHERE ingested_at >= $now - to_seconds($since_seconds::BIGINT)
+          AND ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id)
+        GROUP BY ALL
+    )
+    SELECT bucket,
+           coalesce(stored_batches, 0) AS stored_batches, coalesce(duplicate_batches, 0) AS duplicate_batches,
+           coalesce(rejected_batches, 0) AS rejected_batches, coalesce(events, 0)::BIGINT AS events,
+           coalesce(missing_batches, 0)::BIGINT AS missing_batches, lag_p50_seconds, lag_p95_seconds
+    FROM b FULL OUTER JOIN g USING (bucket) FULL OUTER JOIN l USING (bucket)
+    ORDER BY bucket
+    """,
+    params=(_SINCE, _BUCKET, _engine()),
+    columns=(
+        "bucket",
+        "stored_batches",
+        "duplicate_batches",
+        "rejected_batches",
+        "events",
+        "missing_batches",
+        "lag_p50_seconds",
+        "lag_p95_seconds",
+    ),
+)
+
 NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
     {
         q.name: q
@@ -546,6 +602,7 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             LIMITING_FORMS,
             CAPACITY_TIMESERIES,
             GPU_TIMESERIES,
+            INGEST_HEALTH,
         )
     }
 )

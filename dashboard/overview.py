@@ -8,7 +8,11 @@ Panels (all from the agent's named queries, refreshed every :data:`REFRESH_SECON
 * recoverable vs raw hit rate over time (``hit_rate_timeseries``) — the gap is what hybrid
   caches lose between "hash hit" and "actually reused";
 * prompt tokens split into recoverable / replayed / recomputed per bucket;
-* each form's usable rate over time (``form_usable_timeseries``): which form explains the gap.
+* each form's usable rate over time (``form_usable_timeseries``): which form explains the gap;
+* each form's recoverable rate (recoverable / hash-hit tokens of its lookups, from the rollup) as
+  small multiples;
+* a banner while alerts fire (``GET /v1/alerts``), and ingest health (``ingest_health``): events
+  per second, p95 ingest lag, batches rejected and seq gaps.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def live_panels(client: AgentClient, filters: Filters) -> None:
     except AgentError as exc:
         st.error(str(exc))
         return
+    _alert_banner(client)
     if rates.empty:
         st.info(f"No requests in this window yet (agent at {client.base_url}).")
         return
@@ -83,6 +88,67 @@ def live_panels(client: AgentClient, filters: Filters) -> None:
     else:
         usable = forms.pivot(index="bucket", columns="form", values="usable_rate")
         st.altair_chart(_lines(usable, "form", "usable rate"), width="stretch")
+    _form_multiples(client, filters)
+    _ingest_health(client, filters)
+
+
+def _alert_banner(client: AgentClient) -> None:
+    try:
+        alerts = client.active_alerts()
+    except AgentError:
+        return  # an agent without a rule scheduler: no banner (the Alerts page explains)
+    firing = sorted({a["alertname"] for a in alerts if a["state"] == "firing"})
+    if firing:
+        st.error(f"{sum(a['state'] == 'firing' for a in alerts)} alert(s) firing: {', '.join(firing)} — see the Alerts page.")
+
+
+def form_recoverable(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per bucket and form: recoverable / hash-hit tokens of its lookups (NaN without hash hits)."""
+    sums = rows.groupby(["bucket", "form"], as_index=False)[["recoverable_tokens", "hash_hit_tokens"]].sum()
+    sums["recoverable_rate"] = sums["recoverable_tokens"] / sums["hash_hit_tokens"].where(sums["hash_hit_tokens"] > 0)
+    return sums
+
+
+def _form_multiples(client: AgentClient, filters: Filters) -> None:
+    st.subheader("Recoverable rate per form")
+    try:
+        rows = query(client, "form_timeseries", **{**filters.params(), "bucket_seconds": max(filters.bucket_seconds, 60)}, form=filters.form)
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    if rows.empty:
+        st.caption("The rollup has no lookups in this window yet.")
+        return
+    st.altair_chart(
+        alt.Chart(form_recoverable(rows))
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("bucket:T", title=None),
+            y=alt.Y("recoverable_rate:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"), title=None),
+        )
+        .properties(width=180, height=120)
+        .facet(facet=alt.Facet("form:N", title=None), columns=3),
+    )
+
+
+def _ingest_health(client: AgentClient, filters: Filters) -> None:
+    st.subheader("Ingest health")
+    try:
+        health = query(client, "ingest_health", since_seconds=filters.since_seconds, bucket_seconds=filters.bucket_seconds, engine_id=filters.engine)
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    if health.empty:
+        st.caption("No batches received in this window.")
+        return
+    seconds = max(filters.bucket_seconds, 1)
+    last = health.iloc[-1]
+    columns = st.columns(4)
+    columns[0].metric("Events/s (last bucket)", f"{last['events'] / seconds:,.1f}")
+    lag = last["lag_p95_seconds"]
+    columns[1].metric("Ingest lag p95", "n/a" if pd.isna(lag) else f"{lag:.2f} s")
+    columns[2].metric("Batches rejected", f"{int(health['rejected_batches'].sum()):,}")
+    columns[3].metric("Batches missing (seq gaps)", f"{int(health['missing_batches'].sum()):,}")
 
 
 def _lines(wide: pd.DataFrame, series: str, value: str) -> alt.Chart:

@@ -141,6 +141,12 @@ def test_form_timeseries_and_limiting_forms(loaded: TestClient, store: Store) ->
     assert sorted((r["limiting_form"], r["requests"]) for r in limiting) == [("linear_state", 1), ("swa_window", 1)]
 
 
+def test_ingest_health(loaded: TestClient) -> None:
+    health = rows(loaded, "ingest_health", since_seconds=366 * 86400, bucket_seconds=86400)
+    assert [(r["stored_batches"], r["rejected_batches"], r["events"], r["missing_batches"]) for r in health] == [(1, 0, 8, 1)]
+    assert health[0]["lag_p95_seconds"] is not None and health[0]["lag_p95_seconds"] > 0
+
+
 def test_engines(loaded: TestClient) -> None:
     seen = rows(loaded, "engines", since_seconds=366 * 86400)
     assert [(r["engine_id"], r["model"], r["requests"]) for r in seen] == [("e1", "m1", 2)]  # r1, r2

@@ -105,17 +105,26 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
     assert not at.exception, [e.message for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     assert at.title[0].value == "Overview"
-    assert metrics_by_label(at) == {
+    metrics = metrics_by_label(at)
+    lag, _ = metrics.pop("Ingest lag p95")  # the events are minutes old: the lag is their age
+    assert lag.endswith(" s") and 60 < float(lag.removesuffix(" s")) < 600
+    assert metrics == {
         "Recoverable hit rate": ("75.0%", "+25.0 pp"),
         "Raw hit rate": ("95.0%", "+45.0 pp"),
         "Raw − recoverable": ("20.0%", None),
         "Prompt tokens (last bucket)": ("4,000", None),
+        "Events/s (last bucket)": ("0.4", None),  # 6 events in one 15 s bucket
+        "Batches rejected": ("0", None),
+        "Batches missing (seq gaps)": ("1", None),  # the batch came with seq 1: seq 0 never arrived
     }
     assert [s.value for s in at.subheader] == [
         "Recoverable vs raw hit rate",
         "Prompt tokens: recoverable / replayed / recomputed",
         "Usable rate per form",
+        "Recoverable rate per form",
+        "Ingest health",
     ]
+    assert not at.error  # no rule scheduler in this agent: no banner, and no error either
     # buckets of 15 s: r0 alone, then r1 + r2 (token sums, not averages of ratios)
     assert chart_points(at, 0, "series", "rate") == {"recoverable": [0.5, 0.75], "raw": [0.5, 0.95]}
     # a form's usable rate over the prompt tokens of the requests that looked it up
@@ -181,3 +190,31 @@ def test_streamlit_command() -> None:
     assert APP_PATH.is_file()
     with pytest.raises(ValueError, match="port must be in"):
         streamlit_command("http://x", 0)
+
+
+def test_overview_banner_and_per_form_multiples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.ingest import fold_cache_minute
+
+    base = (int(time.time()) // 60 - 2) * 60
+    events = [
+        request(base + 1, "r1", 1000, 600, 800),
+        lookup(base + 2, "r1", "full_kv", 800, 800),
+        lookup(base + 2, "r1", "swa_window", 800, 200),
+    ]
+    with running_agent(tmp_path) as agent:
+        body = {"schema_version": 1, "engine_id": "e1", "seq": 0, "sent_at": base, "events": events}
+        assert httpx.post(f"{agent.url}/v1/events", json=body, timeout=10).json()["status"] == "stored"
+        assert fold_cache_minute(agent.store) == 2
+        agent.app.state.active_alerts = lambda: [
+            {"alertname": "RecoverableHitRateDrop", "state": "firing", "labels": {}, "annotations": {}, "value": 0.2, "active_at": 1.0, "firing_since": 2.0},
+            {"alertname": "EngineSilent", "state": "pending", "labels": {}, "annotations": {}, "value": 1.0, "active_at": 1.0, "firing_since": None},
+        ]
+        monkeypatch.setenv("KVSCOPE_AGENT_URL", agent.url)
+        monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
+        at = AppTest.from_file(APP, default_timeout=30).run()
+    assert not at.exception
+    assert [e.value for e in at.error] == ["1 alert(s) firing: RecoverableHitRateDrop — see the Alerts page."]
+    multiples = at.get("vega_lite_chart")[-1]
+    (data,) = [pa.ipc.open_stream(d.data.data).read_all().to_pydict() for d in multiples.proto.datasets]
+    assert dict(zip(data["form"], data["recoverable_rate"], strict=True)) == {"full_kv": 1.0, "swa_window": 0.25}
+    assert '"facet"' in multiples.proto.spec
