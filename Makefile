@@ -26,16 +26,16 @@ test: $(STAMP)
 	$(MAKE) lint
 	$(MAKE) pytest
 
-## What the e2e tests run besides Python: Debian's `prometheus` (prometheus + promtool) and
-## `prometheus-alertmanager`. Installed only as root (as CI runs) and only when missing; otherwise
-## nothing happens and those tests skip. apt-get update runs only if the first install fails;
+## What the e2e tests run besides Python: Debian's `prometheus` (prometheus + promtool),
+## `prometheus-alertmanager` and `chromium` (Playwright drives it; no browser download). Installed
+## only as root (as CI runs) and only when missing; otherwise nothing happens and those tests skip. apt-get update runs only if the first install fails;
 ## while installing, a temporary policy-rc.d (unless one exists) keeps the packages from starting
 ## their daemons.
-SERVICE_PACKAGES := prometheus prometheus-alertmanager
+SERVICE_PACKAGES := prometheus prometheus-alertmanager chromium
 APT_SERVICES := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(SERVICE_PACKAGES)
 
 services:
-	@if [ "$$(id -u)" = 0 ] && { [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/promtool ] || [ ! -x /usr/bin/prometheus-alertmanager ]; }; then \
+	@if [ "$$(id -u)" = 0 ] && { [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/promtool ] || [ ! -x /usr/bin/prometheus-alertmanager ] || [ ! -x /usr/bin/chromium ]; }; then \
 		set -e; \
 		if [ ! -e /usr/sbin/policy-rc.d ]; then \
 			trap 'rm -f /usr/sbin/policy-rc.d' EXIT; \

@@ -52,12 +52,13 @@ def render() -> None:
 def detail(client: object, row: pd.Series) -> None:
     """One request: its plan, timings and every form's usable length against L*."""
     st.subheader(f"Request {row['request_id']}")
-    columns = st.columns(5)
+    columns = st.columns(6)
     columns[0].metric("Prompt tokens", f"{int(row['prompt_tokens']):,}")
     columns[1].metric("Resume point L*", f"{int(row['resume_tokens']):,}")
     columns[2].metric("Admission", str(row["admission"]))
-    columns[3].metric("Predicted / actual", f"{row['predicted_seconds']:.3f} s / {row['actual_seconds']:.3f} s")
-    columns[4].metric("TTFT", f"{row['ttft_seconds']:.3f} s")
+    columns[3].metric("Predicted", f"{row['predicted_seconds']:.3f} s")
+    columns[4].metric("Actual", f"{row['actual_seconds']:.3f} s")
+    columns[5].metric("TTFT", f"{row['ttft_seconds']:.3f} s")
     limiting = row["limiting_form"] if isinstance(row["limiting_form"], str) else None
     st.caption(
         f"Limited by {limiting} ({row['limiting_reason']})." if limiting else "No form limited the resume point."

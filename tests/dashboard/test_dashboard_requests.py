@@ -78,7 +78,7 @@ def test_table_search_and_one_requests_forms_against_l_star(agent: RunningAgent,
     metrics = {m.label: m.value for m in at.metric}
     assert metrics == {
         "Prompt tokens": "2,048", "Resume point L*": "512", "Admission": "exact",
-        "Predicted / actual": "0.200 s / 0.300 s", "TTFT": "0.250 s",
+        "Predicted": "0.200 s", "Actual": "0.300 s", "TTFT": "0.250 s",
     }  # fmt: skip
     assert at.caption[-1].value == "Limited by swa_window (swa_evicted)."
     forms = at.dataframe[1].value
