@@ -239,13 +239,16 @@ FORM_USABLE_TIMESERIES = NamedQuery(
         "Per time bucket and form: the form's usable tokens over the prompt tokens of the "
         "requests that looked it up. A form's usable tokens per request are the minimum over "
         "its lookups (layer groups, tensor-parallel ranks); lookups are bucketed by their "
-        "request's ts and lookups whose request event is not stored yet are left out."
+        "request's ts and lookups whose request event is not stored yet are left out (so are "
+        "lookups more than an hour older than the window, of requests that ran that long)."
     ),
     sql=f"""
     WITH per_request AS (
         SELECT engine_id, request_id, form, min(usable_tokens) AS usable_tokens
         FROM cache_lookups
-        WHERE {_FILTER.format(t="")}
+        -- a lookup happens when its request is admitted, before the request event's ts: an hour
+        -- of slack keeps every lookup of the window's requests and skips the rest of the table
+        WHERE ts >= $now - to_seconds($since_seconds::BIGINT) - INTERVAL 1 HOUR AND {_FILTER.format(t="")}
         GROUP BY engine_id, request_id, form
     )
     SELECT
