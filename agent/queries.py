@@ -489,17 +489,23 @@ LIMITING_FORMS = NamedQuery(
 CAPACITY_TIMESERIES = NamedQuery(
     name="capacity_timeseries",
     description=(
-        "Per time bucket, form and tier, from the engines' stats snapshots: each engine's mean "
-        "over the bucket, summed over engines — bytes and blocks used, blocks cached (reusable), "
-        "free and total."
+        "Per time bucket, form and tier, from the engines' stats snapshots (a form's pools summed "
+        "per snapshot): each engine's mean over the bucket, summed over engines — bytes and "
+        "blocks used, blocks cached (reusable), free and total."
     ),
     sql=f"""
-    WITH per_engine AS (
+    WITH snapshots AS (  -- a form with several pools (compressor geometries) reports one row per pool
+        SELECT engine_id, form, tier, ts, sum(used_bytes) AS used_bytes, sum(used_blocks) AS used_blocks,
+               sum(cached_blocks) AS cached_blocks, sum(free_blocks) AS free_blocks, sum(total_blocks) AS total_blocks
+        FROM engine_stats
+        WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+        GROUP BY ALL
+    ),
+    per_engine AS (
         SELECT {_BUCKET_EXPR.format(t="")} AS bucket, engine_id, form, tier,
                avg(used_bytes) AS used_bytes, avg(used_blocks) AS used_blocks, avg(cached_blocks) AS cached_blocks,
                avg(free_blocks) AS free_blocks, max(total_blocks) AS total_blocks
-        FROM engine_stats
-        WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+        FROM snapshots
         GROUP BY ALL
     )
     SELECT bucket, form, tier,
@@ -512,6 +518,39 @@ CAPACITY_TIMESERIES = NamedQuery(
     """,
     params=(_SINCE, _BUCKET, _engine(), _MODEL),
     columns=("bucket", "form", "tier", "used_bytes", "used_blocks", "cached_blocks", "free_blocks", "total_blocks"),
+)
+
+CAPACITY_LATEST = NamedQuery(
+    name="capacity_latest",
+    description=(
+        "Per form and tier: each engine's latest stats snapshot in the window, summed over engines "
+        "(bytes and blocks used, cached, free, total)."
+    ),
+    sql=f"""
+    WITH snapshots AS (  -- a form with several pools (compressor geometries) reports one row per pool
+        SELECT engine_id, form, tier, ts, sum(used_bytes) AS used_bytes, sum(used_blocks) AS used_blocks,
+               sum(cached_blocks) AS cached_blocks, sum(free_blocks) AS free_blocks, sum(total_blocks) AS total_blocks
+        FROM engine_stats
+        WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+        GROUP BY ALL
+    ),
+    latest AS (
+        SELECT engine_id, form, tier,
+               arg_max(used_bytes, ts) AS used_bytes, arg_max(used_blocks, ts) AS used_blocks,
+               arg_max(cached_blocks, ts) AS cached_blocks, arg_max(free_blocks, ts) AS free_blocks,
+               arg_max(total_blocks, ts) AS total_blocks
+        FROM snapshots
+        GROUP BY ALL
+    )
+    SELECT form, tier, sum(used_bytes)::BIGINT AS used_bytes, sum(used_blocks)::BIGINT AS used_blocks,
+           sum(cached_blocks)::BIGINT AS cached_blocks, sum(free_blocks)::BIGINT AS free_blocks,
+           sum(total_blocks)::BIGINT AS total_blocks, count(*) AS engines
+    FROM latest
+    GROUP BY ALL
+    ORDER BY form, tier
+    """,
+    params=(_SINCE, _engine(), _MODEL),
+    columns=("form", "tier", "used_bytes", "used_blocks", "cached_blocks", "free_blocks", "total_blocks", "engines"),
 )
 
 GPU_TIMESERIES = NamedQuery(
@@ -604,6 +643,7 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             FORM_TIMESERIES,
             LIMITING_FORMS,
             CAPACITY_TIMESERIES,
+            CAPACITY_LATEST,
             GPU_TIMESERIES,
             INGEST_HEALTH,
         )

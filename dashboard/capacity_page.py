@@ -1,8 +1,9 @@
 """The Capacity page: what each form's pools hold, and the GPUs.
 
 * bytes and blocks per form and tier over time (``capacity_timeseries``: the engines' stats
-  snapshots, each engine's mean over a bucket, summed over engines), with the latest values —
-  used, cached (reusable) and total blocks, and how full each pool is;
+  snapshots, each engine's mean over a bucket, summed over engines), and now
+  (``capacity_latest``: each engine's latest snapshot, summed) — used, cached (reusable) and
+  total blocks, and how full each pool is;
 * GPU memory and utilisation over time (``gpu_timeseries``, the agent's NVML sampler); without a
   GPU the page says so.
 """
@@ -26,30 +27,32 @@ def render() -> None:
     filters = sidebar_filters(client)
     try:
         pools = query(client, "capacity_timeseries", **filters.params())
+        now = query(client, "capacity_latest", since_seconds=filters.since_seconds, engine_id=filters.engine, model=filters.model)
         gpus = query(client, "gpu_timeseries", since_seconds=filters.since_seconds, bucket_seconds=filters.bucket_seconds)
     except AgentError as exc:
         st.error(str(exc))
         return
     if filters.form is not None:
         pools = pools[pools["form"] == filters.form]
-    pools_panel(pools)
+        now = now[now["form"] == filters.form]
+    pools_panel(pools, now)
     gpu_panel(gpus)
 
 
-def latest(pools: pd.DataFrame) -> pd.DataFrame:
-    """The last bucket's values per form and tier, with how full each pool is (used / total)."""
-    last = pools[pools["bucket"] == pools["bucket"].max()].copy()
+def latest(now: pd.DataFrame) -> pd.DataFrame:
+    """Each engine's latest snapshot summed per form and tier, with how full each pool is."""
+    last = now.copy()
     last["used_MiB"] = last["used_bytes"] / MiB
     last["fill"] = last["used_blocks"] / last["total_blocks"].where(last["total_blocks"] > 0)
     return last[["form", "tier", "used_MiB", "used_blocks", "cached_blocks", "free_blocks", "total_blocks", "fill"]].reset_index(drop=True)
 
 
-def pools_panel(pools: pd.DataFrame) -> None:
+def pools_panel(pools: pd.DataFrame, now: pd.DataFrame) -> None:
     st.subheader("Pools per form and tier")
     if pools.empty:
         st.info("No engine stats in this window yet (engines send them every few seconds while serving).")
         return
-    st.dataframe(latest(pools), hide_index=True, column_config={"fill": st.column_config.ProgressColumn("fill", min_value=0.0, max_value=1.0)})
+    st.dataframe(latest(now), hide_index=True, column_config={"fill": st.column_config.ProgressColumn("fill", min_value=0.0, max_value=1.0)})
     series = pools.assign(pool=pools["form"] + "/" + pools["tier"], used_MiB=pools["used_bytes"] / MiB)
     st.altair_chart(
         alt.Chart(series).mark_line(point=True).encode(

@@ -2,8 +2,9 @@
 (time range, engine, model, form) in the sidebar.
 
 The filters live in the URL's query string (``?window=1+hour&engine=e1``), so a view can be
-shared, and in the session, so they carry across pages; an engine or model named in a shared URL
-that the agent has not seen in the window stays selectable.
+shared, and in the session (Streamlit's ``bind="query-params"`` and ``persist_state="session"``),
+so they carry across pages; an engine or model named in a shared URL that the agent has not seen
+in the window stays selectable.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ WINDOWS: dict[str, tuple[int, int]] = {
 DEFAULT_WINDOW = "15 minutes"
 ALL = "(all)"
 FORMS = ("full_kv", "swa_window", "compressed_kv", "uncompressed_tail", "indexer_state", "linear_state")
-_KEYS = {"window": "filter_window", "engine": "filter_engine", "model": "filter_model", "form": "filter_form"}
-"""Query-string name → session-state key of its widget."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,15 +86,15 @@ def query(client: AgentClient, name: str, **params: object) -> pd.DataFrame:
 
 
 def sidebar_filters(client: AgentClient) -> Filters:
-    """Render the shared filters in the sidebar and return them; keeps the URL in step."""
-    for name, key in _KEYS.items():  # a shared URL (or a reload) sets the widgets once
-        if key not in st.session_state and name in st.query_params:
-            st.session_state[key] = st.query_params[name]
-    if st.session_state.get(_KEYS["window"]) not in WINDOWS:
-        st.session_state[_KEYS["window"]] = DEFAULT_WINDOW
+    """Render the shared filters in the sidebar and return them. Each is bound to its query
+    parameter (``?window=1+hour&engine=e1``: a view can be shared) and kept for the whole session,
+    so it carries across pages; an engine or model a shared URL names that the agent has not seen
+    in the window stays selectable."""
     bar = st.sidebar
     bar.header("Filters")
-    window = bar.selectbox("Time range", list(WINDOWS), key=_KEYS["window"])
+    window = bar.selectbox(
+        "Time range", list(WINDOWS), index=list(WINDOWS).index(DEFAULT_WINDOW), key="window", bind="query-params", persist_state="session"
+    )
     try:
         seen = query(client, "engines", since_seconds=WINDOWS[window][0])
     except AgentError:
@@ -103,20 +102,12 @@ def sidebar_filters(client: AgentClient) -> Filters:
     engine = _choice(bar, "Engine", "engine", sorted(set(seen["engine_id"])))
     model = _choice(bar, "Model", "model", sorted(set(seen["model"])))
     form = _choice(bar, "Form", "form", list(FORMS))
-    chosen = {"window": window, "engine": engine, "model": model, "form": form}
-    for name, value in chosen.items():
-        if value is None or (name == "window" and value == DEFAULT_WINDOW):
-            if name in st.query_params:
-                del st.query_params[name]
-        elif st.query_params.get(name) != value:
-            st.query_params[name] = value
     return Filters(window=window, engine=engine, model=model, form=form)
 
 
-def _choice(bar: object, label: str, name: str, options: list[str]) -> str | None:
-    key = _KEYS[name]
-    current = st.session_state.get(key)
-    if current is not None and current != ALL and current not in options:
-        options = [*options, current]  # named by a shared URL, not seen in this window
-    value = bar.selectbox(label, [ALL, *options], key=key)  # type: ignore[attr-defined]
-    return None if value == ALL else str(value)
+def _choice(bar: object, label: str, key: str, options: list[str]) -> str | None:
+    wanted = st.session_state.get(key) or st.query_params.get(key)
+    if wanted and wanted != ALL and wanted not in options:
+        options = [*options, wanted]  # named by a shared URL (or chosen earlier), not seen in this window
+    value = bar.selectbox(label, [ALL, *options], key=key, bind="query-params", persist_state="session")  # type: ignore[attr-defined]
+    return None if value in (None, ALL) else str(value)

@@ -58,13 +58,13 @@ def outcomes_panel(rows: pd.DataFrame) -> None:
     st.bar_chart(wide)
 
 
-NOT_REUSED = ("invalidated", "miss")
+NOT_REUSED = ("invalidated",)
 
 
 def pareto(rows: pd.DataFrame) -> pd.DataFrame:
-    """Lookups per reason the form could not be reused (invalidated or missed; recoveries are
-    reuse at a cost and are on the latency panel), most first, with each reason's share and the
-    cumulative share."""
+    """Lookups per reason the form was invalidated (a hash hit it could not reuse; misses are cold
+    prompts, not the form's fault, and recoveries are reuse at a cost, on the latency panel), most
+    first, with each reason's share and the cumulative share."""
     missed = rows[rows["outcome"].isin(NOT_REUSED)]
     table = missed.groupby("reason", as_index=False)["lookups"].sum().sort_values(["lookups", "reason"], ascending=[False, True])
     total = table["lookups"].sum()

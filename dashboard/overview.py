@@ -142,13 +142,16 @@ def _ingest_health(client: AgentClient, filters: Filters) -> None:
         st.caption("No batches received in this window.")
         return
     seconds = max(filters.bucket_seconds, 1)
-    last = health.iloc[-1]
+    # the latest *finished* bucket, and only if it is recent: an old one would show a stale rate
+    newest_finished = pd.Timestamp.now(tz="UTC").tz_localize(None).floor(f"{seconds}s") - pd.Timedelta(seconds=seconds)
+    recent = health[health["bucket"] == newest_finished]
+    events = int(recent["events"].sum()) if not recent.empty else 0
     columns = st.columns(4)
-    columns[0].metric("Events/s (last bucket)", f"{last['events'] / seconds:,.1f}")
-    lag = last["lag_p95_seconds"]
-    columns[1].metric("Ingest lag p95", "n/a" if pd.isna(lag) else f"{lag:.2f} s")
+    columns[0].metric("Events/s (last full bucket)", f"{events / seconds:,.1f}")
+    lag = recent["lag_p95_seconds"].iloc[0] if not recent.empty else float("nan")
+    columns[1].metric("Ingest lag p95 (last full bucket)", "n/a" if pd.isna(lag) else f"{lag:.2f} s")
     columns[2].metric("Batches rejected", f"{int(health['rejected_batches'].sum()):,}")
-    columns[3].metric("Batches missing (seq gaps)", f"{int(health['missing_batches'].sum()):,}")
+    columns[3].metric("Seq gaps detected", f"{int(health['missing_batches'].sum()):,}")
 
 
 def _lines(wide: pd.DataFrame, series: str, value: str) -> alt.Chart:

@@ -21,7 +21,7 @@ EXAMPLES: dict[str, str] = {
        sum(hash_hit_tokens) / sum(prompt_tokens) AS raw_hit_rate,
        count(*) AS requests
 FROM requests
-WHERE ts >= now()::TIMESTAMP - INTERVAL 1 HOUR
+WHERE ts >= (now() AT TIME ZONE 'UTC') - INTERVAL 1 HOUR
 GROUP BY ALL ORDER BY requests DESC""",
     "Why forms were not reusable (top reasons)": """SELECT form, reason, count(*) AS lookups
 FROM cache_lookups
@@ -82,7 +82,18 @@ def run(client: AgentClient, sql: str) -> tuple[pd.DataFrame, bool] | str:
         return f"The query failed: {exc}"
     except pa.ArrowInvalid as exc:
         return f"The agent sent an unreadable answer: {exc}"
-    return table.to_pandas(), response.headers.get("x-kvscope-truncated") == "true"
+    return table.rename_columns(unique_names(table.column_names)).to_pandas(), response.headers.get("x-kvscope-truncated") == "true"
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """Column names made unique for display (a join can repeat one: ``ts``, ``ts_1``, ...)."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        out.append(name if n == 0 else f"{name}_{n}")
+    return out
 
 
 def show(frame: pd.DataFrame, truncated: bool) -> None:

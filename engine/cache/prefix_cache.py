@@ -436,21 +436,27 @@ class PrefixCache:
         ]
 
     def occupancy(self) -> list[FormOccupancy]:
+        """Per form on the device: the block counts of its fullest pool (a form with several
+        pools — compressor geometries, indexer keys and pending rows — runs out when that one
+        does; counts of different pools are never mixed) and the bytes of all its pools."""
         per_pool = {p.name: p.bytes_per_block for p in self.pool_plans()}
-        return [
-            FormOccupancy(
-                form=f.form,
-                tier=Tier.DEVICE,
-                used_blocks=max(p.num_holding for p in f.pools),
-                leased_blocks=max(p.num_leased for p in f.pools),
-                cached_blocks=max(p.num_cached for p in f.pools),
-                free_blocks=min(p.num_free for p in f.pools),
-                total_blocks=min(p.num_blocks - 1 for p in f.pools),
-                bytes_per_block=f.bytes_per_block,
-                used_bytes=sum(p.num_holding * per_pool[p.name] for p in f.pools),
+        out = []
+        for f in self.forms:
+            fullest = max(f.pools, key=lambda p: (p.num_holding / max(p.num_blocks - 1, 1), p.num_blocks))
+            out.append(
+                FormOccupancy(
+                    form=f.form,
+                    tier=Tier.DEVICE,
+                    used_blocks=fullest.num_holding,
+                    leased_blocks=fullest.num_leased,
+                    cached_blocks=fullest.num_cached,
+                    free_blocks=fullest.num_free,
+                    total_blocks=fullest.num_blocks - 1,
+                    bytes_per_block=f.bytes_per_block,
+                    used_bytes=sum(p.num_holding * per_pool[p.name] for p in f.pools),
+                )
             )
-            for f in self.forms
-        ]
+        return out
 
     # -- lookup --------------------------------------------------------------------------------
     def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:

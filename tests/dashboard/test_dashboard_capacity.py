@@ -59,10 +59,12 @@ def test_pools_and_no_gpu(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) 
     assert not at.exception and not at.error, [e.value for e in at.error]
     pools = at.dataframe[0].value
     assert pools[["form", "used_blocks", "cached_blocks", "total_blocks"]].values.tolist() == [
-        ["full_kv", 60, 40, 96],  # e1's mean 44 + e2's 16; totals 64 + 32
+        ["full_kv", 64, 40, 96],  # each engine's latest snapshot: e1's 48 + e2's 16; totals 64 + 32
         ["swa_window", 8, 4, 16],
     ]
-    assert pools["used_MiB"].tolist() == [60.0, 8.0] and pools["fill"].tolist() == [0.625, 0.5]
+    assert pools["used_MiB"].tolist() == [64.0, 8.0] and pools["fill"].round(4).tolist() == [0.6667, 0.5]
+    series = next(pa.ipc.open_stream(d.data.data).read_all().to_pydict() for d in at.get("vega_lite_chart")[0].proto.datasets)
+    assert dict(zip(series["pool"], series["used_MiB"], strict=True)) == {"full_kv/device": 60.0, "swa_window/device": 8.0}  # e1's mean 44 + 16
     assert len(at.get("vega_lite_chart")) == 2
     assert at.info[0].value.startswith("No GPU samples: the agent found no NVIDIA GPU")
     narrowed = page(agent, monkeypatch, form="swa_window", engine="e1")

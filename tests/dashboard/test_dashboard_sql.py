@@ -73,9 +73,19 @@ def test_examples_fill_the_editor_and_run(agent: RunningAgent, monkeypatch: pyte
     assert at.text_area(key="sql_text").value == EXAMPLES[name]
     at.button[0].click().run()
     assert at.dataframe[0].value.values.tolist() == [["none", "none", 4]]
-    # every saved example runs against the sandbox
+    # every saved example runs against the sandbox; the last-hour one sees the requests of a minute ago
     for sql in EXAMPLES.values():
         assert httpx.post(f"{agent.url}/v1/sql", json={"sql": sql}, timeout=10).status_code == 200, sql
+    last_hour = httpx.post(f"{agent.url}/v1/sql", json={"sql": EXAMPLES["Recoverable hit rate per engine, last hour"]}, timeout=10).json()
+    assert [[*row[:2], row[4]] for row in last_hour["rows"]] == [["e1", "m1", 4]]
+
+
+def test_repeated_column_names_are_shown(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = page(agent, monkeypatch)
+    at.text_area(key="sql_text").set_value("SELECT a.request_id, b.request_id FROM requests a JOIN requests b USING (request_id) ORDER BY 1 LIMIT 2")
+    at.button[0].click().run()
+    assert not at.exception and not at.error
+    assert list(at.dataframe[0].value.columns) == ["request_id", "request_id_1"]
 
 
 @pytest.mark.parametrize(

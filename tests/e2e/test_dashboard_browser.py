@@ -37,6 +37,8 @@ PAGES = {
 """Page path → what shows that its content rendered (a chart, a table, the schema)."""
 TITLES = {"": "Overview", "sql": "SQL"}
 REQUESTS = 40
+DONE = '.stApp[data-test-script-state="notRunning"]'
+"""Streamlit's marker that the page's script run finished (so every panel has been drawn)."""
 
 
 def artifacts() -> Path:
@@ -76,22 +78,33 @@ def test_every_page_renders_in_chromium(tmp_path: Path) -> None:
                 for path, ready in PAGES.items():
                     page.goto(f"{dashboard_url}/{path}?window=1+hour", wait_until="domcontentloaded")
                     page.wait_for_selector(ready, state="visible", timeout=90_000)
+                    page.wait_for_selector(DONE, timeout=90_000)
                     title = page.locator("h1").first
                     title.wait_for(timeout=30_000)
                     assert title.inner_text().strip() == TITLES.get(path, path.capitalize()), path
                     assert page.get_by_text("Page not found").count() == 0, path
                     assert page.locator('[data-testid="stException"]').count() == 0, f"{path}: an exception is shown"
                     page.screenshot(path=str(shots / f"{path or 'overview'}.png"), full_page=True)
-                # a filter change updates the page and the URL
+                # a filter change updates the page and the URL, and survives a switch of page
                 page.goto(f"{dashboard_url}/", wait_until="domcontentloaded")
                 page.wait_for_selector(PAGES[""], state="visible", timeout=90_000)
+                page.wait_for_selector(DONE, timeout=90_000)
                 sidebar = page.locator('[data-testid="stSidebar"]')
-                sidebar.locator('[data-testid="stSelectbox"]').first.click()
+                window = sidebar.locator('[data-testid="stSelectbox"]').first
+                window.click()
                 page.get_by_role("option", name="5 minutes", exact=True).click()
                 page.wait_for_url("**window=5+minutes**", timeout=30_000)
-                page.wait_for_selector(PAGES[""], state="visible", timeout=60_000)
+                page.wait_for_selector(DONE, timeout=90_000)
+                sync_api.expect(window.get_by_role("combobox")).to_have_value("5 minutes", timeout=30_000)
                 assert page.locator('[data-testid="stException"]').count() == 0
                 page.screenshot(path=str(shots / "overview-5-minutes.png"), full_page=True)
+                sidebar.get_by_role("link", name="Capacity").click()
+                page.wait_for_url("**/capacity**", timeout=30_000)
+                page.wait_for_selector(PAGES["capacity"], state="visible", timeout=90_000)
+                page.wait_for_selector(DONE, timeout=90_000)
+                assert "window=5+minutes" in page.url, page.url
+                sync_api.expect(sidebar.locator('[data-testid="stSelectbox"]').first.get_by_role("combobox")).to_have_value("5 minutes", timeout=30_000)
+                page.screenshot(path=str(shots / "capacity-5-minutes.png"), full_page=True)
             finally:
                 browser.close()
     finally:

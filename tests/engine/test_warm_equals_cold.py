@@ -171,3 +171,17 @@ def test_a_squeezed_window_pool_falls_back_then_refills() -> None:
         llm.cache.limit_cached(Form.SWA_WINDOW, -1)
     with pytest.raises(ValueError, match="no paged linear_state pool"):
         llm.cache.limit_cached(Form.LINEAR_STATE, 0)
+
+
+def test_occupancy_never_mixes_pools() -> None:
+    """A form with several pools (indexer keys and pending rows, compressor geometries) reports
+    the counts of its fullest pool: used never exceeds total, and free + used stays within it."""
+    # few pending-row slots, many indexer key pages: mixing the pools would report 18 of 3 used
+    llm = LLM(cache=CacheConfig(unit_tokens=U, checkpoint_interval_tokens=32, max_prefill_chunk_tokens=64, tail_slots=4))
+    llm.score(tokens(300, 31))
+    occupancy = llm.cache.occupancy()
+    assert {o.form for o in occupancy} == set(Form)
+    for o in occupancy:
+        assert 0 <= o.used_blocks <= o.total_blocks and o.free_blocks <= o.total_blocks, o
+        assert o.cached_blocks <= o.used_blocks, o
+    assert any(o.used_blocks > 0 for o in occupancy)
