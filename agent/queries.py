@@ -486,6 +486,15 @@ LIMITING_FORMS = NamedQuery(
     columns=("bucket", "limiting_form", "requests"),
 )
 
+_SNAPSHOTS = f"""snapshots AS (  -- one row per engine, form, tier and snapshot: a form's pools summed
+        SELECT engine_id, form, tier, ts, sum(used_bytes) AS used_bytes, sum(used_blocks) AS used_blocks,
+               sum(cached_blocks) AS cached_blocks, sum(free_blocks) AS free_blocks, sum(total_blocks) AS total_blocks
+        FROM engine_stats
+        WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+        GROUP BY ALL
+    )"""
+"""The engines' stats snapshots in the window, shared by the capacity queries."""
+
 CAPACITY_TIMESERIES = NamedQuery(
     name="capacity_timeseries",
     description=(
@@ -494,13 +503,7 @@ CAPACITY_TIMESERIES = NamedQuery(
         "blocks used, blocks cached (reusable), free and total."
     ),
     sql=f"""
-    WITH snapshots AS (  -- a form with several pools (compressor geometries) reports one row per pool
-        SELECT engine_id, form, tier, ts, sum(used_bytes) AS used_bytes, sum(used_blocks) AS used_blocks,
-               sum(cached_blocks) AS cached_blocks, sum(free_blocks) AS free_blocks, sum(total_blocks) AS total_blocks
-        FROM engine_stats
-        WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
-        GROUP BY ALL
-    ),
+    WITH {_SNAPSHOTS},
     per_engine AS (
         SELECT {_BUCKET_EXPR.format(t="")} AS bucket, engine_id, form, tier,
                avg(used_bytes) AS used_bytes, avg(used_blocks) AS used_blocks, avg(cached_blocks) AS cached_blocks,
@@ -527,13 +530,7 @@ CAPACITY_LATEST = NamedQuery(
         "(bytes and blocks used, cached, free, total)."
     ),
     sql=f"""
-    WITH snapshots AS (  -- a form with several pools (compressor geometries) reports one row per pool
-        SELECT engine_id, form, tier, ts, sum(used_bytes) AS used_bytes, sum(used_blocks) AS used_blocks,
-               sum(cached_blocks) AS cached_blocks, sum(free_blocks) AS free_blocks, sum(total_blocks) AS total_blocks
-        FROM engine_stats
-        WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
-        GROUP BY ALL
-    ),
+    WITH {_SNAPSHOTS},
     latest AS (
         SELECT engine_id, form, tier,
                arg_max(used_bytes, ts) AS used_bytes, arg_max(used_blocks, ts) AS used_blocks,

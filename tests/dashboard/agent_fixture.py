@@ -11,8 +11,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import uvicorn
 from fastapi import FastAPI
+from streamlit.testing.v1 import AppTest
 
 from agent.app import create_app
 from agent.config import AgentConfig
@@ -50,3 +52,14 @@ def running_agent(folder: Path) -> Iterator[RunningAgent]:
         thread.join(timeout=10)
         sock.close()
         store.close()
+
+
+def render_page(module: str, agent_url: str, monkeypatch: pytest.MonkeyPatch, **query: str) -> AppTest:
+    """Run one dashboard page (``dashboard.<module>.render()``) against ``agent_url``, with
+    ``query`` as the URL's query string."""
+    monkeypatch.setenv("KVSCOPE_AGENT_URL", agent_url)
+    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
+    at = AppTest.from_string(f"from dashboard import {module}\n{module}.render()\n", default_timeout=30)
+    for name, value in query.items():
+        at.query_params[name] = value
+    return at.run()

@@ -13,9 +13,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from alerts.alert_store import alert_row, insert_alert_rows
-from tests.dashboard.agent_fixture import RunningAgent, running_agent
+from tests.dashboard.agent_fixture import RunningAgent, render_page, running_agent
 
-PAGE = "from dashboard import alerts_page\nalerts_page.render()\n"
 NOW = time.time()
 ACTIVE = [
     {
@@ -63,12 +62,7 @@ def request(engine: str) -> dict[str, object]:
 
 
 def page(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch, **query: str) -> AppTest:
-    monkeypatch.setenv("KVSCOPE_AGENT_URL", agent.url)
-    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
-    at = AppTest.from_string(PAGE, default_timeout=30)
-    for name, value in query.items():
-        at.query_params[name] = value
-    return at.run()
+    return render_page("alerts_page", agent.url, monkeypatch, **query)
 
 
 def ok(at: AppTest) -> None:

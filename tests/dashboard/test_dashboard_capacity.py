@@ -13,9 +13,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from agent.store import to_timestamp
-from tests.dashboard.agent_fixture import RunningAgent, running_agent
+from tests.dashboard.agent_fixture import RunningAgent, render_page, running_agent
 
-PAGE = "from dashboard import capacity_page\ncapacity_page.render()\n"
 NOW = time.time()
 MiB = 1024 * 1024
 
@@ -46,12 +45,7 @@ def agent(tmp_path: Path) -> Iterator[RunningAgent]:
 
 
 def page(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch, **query: str) -> AppTest:
-    monkeypatch.setenv("KVSCOPE_AGENT_URL", agent.url)
-    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
-    at = AppTest.from_string(PAGE, default_timeout=30)
-    for name, value in query.items():
-        at.query_params[name] = value
-    return at.run()
+    return render_page("capacity_page", agent.url, monkeypatch, **query)
 
 
 def test_pools_and_no_gpu(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,9 +15,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from agent.ingest import fold_cache_minute
-from tests.dashboard.agent_fixture import RunningAgent, running_agent
+from tests.dashboard.agent_fixture import RunningAgent, render_page, running_agent
 
-PAGE = "from dashboard import forms_page\nforms_page.render()\n"
 M0 = (int(time.time()) // 60 - 3) * 60  # a whole minute, three minutes ago
 
 
@@ -60,12 +59,7 @@ def agent(tmp_path: Path) -> Iterator[RunningAgent]:
 
 
 def page(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch, **query: str) -> AppTest:
-    monkeypatch.setenv("KVSCOPE_AGENT_URL", agent.url)
-    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
-    at = AppTest.from_string(PAGE, default_timeout=30)
-    for name, value in query.items():
-        at.query_params[name] = value
-    return at.run()
+    return render_page("forms_page", agent.url, monkeypatch, **query)
 
 
 def dataset(at: AppTest, index: int, column: str) -> dict[str, list[object]]:
