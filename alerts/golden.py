@@ -47,6 +47,7 @@ from prometheus_client import CollectorRegistry
 from agent.config import read_yaml
 from agent.ingest import fold_cache_minute, ingest_batch
 from agent.store import Store, to_timestamp
+from alerts import strict
 from alerts.rule_eval import Notification
 from alerts.rule_scheduler import RuleScheduler
 from alerts.rulefile import RuleFile, RuleGroup, parse_duration
@@ -406,25 +407,12 @@ def _duration(doc: Mapping[str, Any], name: str, where: str, *, default: str | N
 
 
 def _parse(parse: Any, where: str) -> Any:
-    try:
-        return parse()
-    except ValueError as exc:
-        raise GoldenError(f"{where}: {exc}") from None
+    return strict.parsed(where, parse, error=GoldenError)
 
 
 def _list(value: object, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise GoldenError(f"{where}: expected a list, got {type(value).__name__}")
-    return value
+    return strict.items(value, where, error=GoldenError)
 
 
 def _mapping(value: object, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise GoldenError(f"{where}: expected a mapping, got {type(value).__name__}")
-    unknown = set(value) - allowed
-    if unknown:
-        raise GoldenError(f"{where}: unknown field {sorted(map(str, unknown))[0]!r}; known: {', '.join(sorted(allowed))}")
-    missing = required - set(value)
-    if missing:
-        raise GoldenError(f"{where}: missing field {sorted(missing)[0]!r}")
-    return value
+    return strict.mapping(value, where, allowed, required, error=GoldenError)

@@ -361,7 +361,7 @@ class Notifier:
                 already = had == firing and not ({a.fingerprint for a in d.resolved} & had)
                 if already and (last_full is None or at > last_full):
                     continue  # it took this notification in an earlier pass; another integration failed
-            payload_dispatch = d if _sends_resolved(integration) else replace(d, resolved=())
+            payload_dispatch = d if integration.send_resolved else replace(d, resolved=())
             if not payload_dispatch.firing and not payload_dispatch.resolved:
                 took.append(name)  # only resolves, and this integration does not send them
                 continue
@@ -510,7 +510,3 @@ class Notifier:
             with self.store.transaction() as cur:
                 insert_alert_rows(cur, rows)
         return sum(e is not None for e in errors)
-
-
-def _sends_resolved(integration: Integration) -> bool:
-    return integration.send_resolved

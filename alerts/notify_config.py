@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from agent.config import read_yaml
+from alerts import strict
 from alerts.routing import InhibitRule, Matcher, Route, parse_matcher
 from alerts.rulefile import LABEL_NAME, parse_duration
 
@@ -315,10 +316,7 @@ def _matchers(raw: object, where: str) -> tuple[Matcher, ...]:
 
 
 def _duration(doc: Mapping[str, Any], name: str, where: str) -> float:
-    try:
-        return parse_duration(doc[name])
-    except ValueError as exc:
-        raise NotifyConfigError(f"{where}: field {name}: {exc}") from None
+    return strict.parsed(f"{where}: field {name}", lambda: parse_duration(doc[name]), error=NotifyConfigError)
 
 
 def _url(value: object, where: str) -> str:
@@ -340,18 +338,8 @@ def _text(value: object, where: str) -> str:
 
 
 def _list(value: object, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise NotifyConfigError(f"{where}: expected a list, got {type(value).__name__}")
-    return value
+    return strict.items(value, where, error=NotifyConfigError)
 
 
 def _mapping(value: object, where: str, allowed: set[str], *, required: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
-    if not isinstance(value, dict):
-        raise NotifyConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-    unknown = set(value) - allowed
-    if unknown:
-        raise NotifyConfigError(f"{where}: unknown field {sorted(map(str, unknown))[0]!r}; known: {', '.join(sorted(allowed))}")
-    missing = required - set(value)
-    if missing:
-        raise NotifyConfigError(f"{where}: missing field {sorted(missing)[0]!r}")
-    return value
+    return strict.mapping(value, where, allowed, required, error=NotifyConfigError)

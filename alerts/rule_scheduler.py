@@ -237,6 +237,7 @@ class RuleScheduler:
                 continue
             evaluated.append(rule)
         names = {rule.alert for rule in evaluated}
+        group_names = {rule.alert for rule in group.rules}
         with self._lock:
             before = {fp: st for fp, st in self._state.items() if st.alert in names}
             after, notes = evaluate(evaluated, inputs, now, before)
@@ -244,7 +245,7 @@ class RuleScheduler:
             for fp in before:
                 self._state.pop(fp, None)
             self._state.update(after)
-            mine = [st for st in self._state.values() if st.alert in {rule.alert for rule in group.rules}]
+            mine = [st for st in self._state.values() if st.alert in group_names]
         for n in notes:
             log.warning("alert %s %s %s", n.alert, n.status.value, n.annotations.get("summary", ""))
         try:

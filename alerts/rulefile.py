@@ -50,6 +50,7 @@ from typing import Any, Literal
 from agent import queries, sql
 from agent.config import read_yaml
 from agent.ingest import RECOVERY_BUCKETS
+from alerts import strict
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.yaml")
 """The rule file that ships with kvscope."""
@@ -633,19 +634,8 @@ def _string_map(where: str, name: str, value: object) -> dict[str, str]:
 
 
 def _mapping(value: object, where: str, allowed: set[str], *, required: set[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise RuleFileError(f"{where}: expected a mapping, got {type(value).__name__}")
-    unknown = set(value) - allowed
-    if unknown:
-        raise RuleFileError(f"{where}: unknown field {sorted(map(str, unknown))[0]!r}; known: {', '.join(sorted(allowed))}")
-    missing = required - set(value)
-    if missing:
-        raise RuleFileError(f"{where}: missing field {sorted(missing)[0]!r}")
-    return value
+    return strict.mapping(value, where, allowed, required, error=RuleFileError)
 
 
 def _field(where: str, name: str, parse: Callable[[], Any]) -> Any:
-    try:
-        return parse()
-    except ValueError as exc:
-        raise RuleFileError(f"{where}: field {name}: {exc}") from None
+    return strict.parsed(f"{where}: field {name}", parse, error=RuleFileError)

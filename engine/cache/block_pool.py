@@ -256,7 +256,8 @@ class BlockPool:
             if group is not None:
                 self._group_of[block] = group
                 self._members.setdefault(group, set()).add(block)
-            self._trim()
+            if self.max_cached is not None:  # only while a cap is set: release stays O(1)
+                self._trim()
         else:
             self._free_front(block)
 
