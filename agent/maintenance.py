@@ -362,8 +362,13 @@ class MaintenanceScheduler:
         offset = self.config.export_lag_seconds % HOUR
         return CronTrigger(minute=offset // 60, second=offset % 60, timezone=UTC)
 
-    def start(self) -> None:
-        """Start the jobs in a background thread (the GPU job only when NVML found a GPU)."""
+    def start(self, *, on_parent_exit: Callable[[], None] | None = None) -> None:
+        """Start the jobs in a background thread (the GPU job only when NVML found a GPU).
+
+        With ``on_parent_exit``, a job checks every second whether the process that started this
+        one has exited (this process was re-parented) and then calls it once, so an agent started
+        by ``kvscope up`` does not outlive an ``up`` that was killed and keep the DuckDB lock.
+        """
         if self._scheduler is not None:
             raise RuntimeError("the maintenance scheduler is already started")
         scheduler = BackgroundScheduler(timezone=UTC)
@@ -372,6 +377,8 @@ class MaintenanceScheduler:
             ("export", self.export_and_retain, self.export_trigger()),
             ("checkpoint", self.checkpoint, IntervalTrigger(seconds=self.config.checkpoint_interval_seconds, timezone=UTC)),
         ]
+        if on_parent_exit is not None:
+            jobs.append(("parent", _parent_watch(on_parent_exit), IntervalTrigger(seconds=1, timezone=UTC)))
         if self.config.gpu_sample_seconds is not None and self.gpu.start():
             jobs.append(("gpu", self.sample_gpu, IntervalTrigger(seconds=self.config.gpu_sample_seconds, timezone=UTC)))
         for job, run, trigger in jobs:
@@ -396,3 +403,18 @@ class MaintenanceScheduler:
         scheduler.shutdown(wait=True)
         self.gpu.shutdown()
         self._counted("rollup", self.rollup)()
+
+
+def _parent_watch(on_exit: Callable[[], None]) -> Callable[[], None]:
+    """A job calling ``on_exit`` once, after the parent process of now has exited."""
+    parent = os.getppid()
+    fired = False
+
+    def check() -> None:
+        nonlocal fired
+        if not fired and os.getppid() != parent:
+            fired = True
+            log.warning("the parent process %d exited; stopping", parent)
+            on_exit()
+
+    return check

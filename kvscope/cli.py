@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--alert-interval-seconds", type=_positive_float, default=None, help=argparse.SUPPRESS)
     agent.add_argument("--alert-rules", type=Path, default=None, help="the alert rule file (overrides alert_rules_file; default: the shipped one)")
     agent.add_argument("--alert-notify", type=Path, default=None, help="the notification file (overrides alert_notify_file; default: the shipped one)")
+    agent.add_argument("--exit-with-parent", action="store_true", help="shut down when the process that started the agent exits (kvscope up uses it)")
 
     dash = sub.add_parser("dashboard", parents=[verbose], help="the Streamlit dashboard")
     dash.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
@@ -346,7 +347,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        serve(config)
+        serve(config, exit_with_parent=args.exit_with_parent)
     except SchemaTooNewError as exc:
         raise UserError(f"{config.db_path}: {exc}") from None
     except duckdb.IOException as exc:

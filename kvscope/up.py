@@ -96,6 +96,7 @@ def run_up(opts: UpOptions) -> int:
         agent_cmd = [
             sys.executable, "-m", "kvscope", "agent",
             "--data-dir", str(opts.data_dir), "--host", "127.0.0.1", "--port", str(opts.agent_port),
+            "--exit-with-parent",  # a killed `up` must not leave the agent holding the DuckDB lock
         ]  # fmt: skip
         if opts.alert_interval_seconds:
             agent_cmd += ["--alert-interval-seconds", str(opts.alert_interval_seconds)]

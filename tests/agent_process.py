@@ -37,8 +37,14 @@ def agent_command(
 
 
 def agent_env() -> dict[str, str]:
-    """The environment for it: this checkout importable, no token."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    """The environment for it: this checkout importable, no token, one intra-op thread.
+
+    One thread: torch's CPU kernels spin-wait in every intra-op thread, so on a 2-core machine
+    shared with the test runner and other services a two-thread replay ran 4-5 times slower than a
+    one-thread one (27 vs 125 requests in 60 s with three busy loops beside it); alone the two
+    differ by about 10 %.
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("KVSCOPE_TOKEN", None)
     return env
 

@@ -52,6 +52,8 @@ receivers:
         send_resolved: true
 """
 SQUEEZE_AT, SQUEEZE_FOR = 30, 25
+RESOLVE_WITHIN = 240
+"""Seconds from the pool's release to the resolve at the webhook (about 35 s on an idle machine)."""
 
 
 class Hook:
@@ -112,7 +114,7 @@ def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path
         up = start(
             [
                 sys.executable, "-m", "kvscope", "up", "--no-dashboard", "--exit-when-done", "--json",
-                "--data-dir", str(data), "--agent-port", str(agent_port), "--max-requests", "300",
+                "--data-dir", str(data), "--agent-port", str(agent_port), "--max-requests", "1000",
                 "--alert-rules", str(DRILL / "drill_rules.yaml"), "--alert-notify", str(tmp_path / "notify.yaml"),
                 "--squeeze-window-pool", f"{SQUEEZE_AT}:{SQUEEZE_FOR}",
             ],
@@ -120,11 +122,15 @@ def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path
             cwd=ROOT,
             env=agent_env(),
         )  # fmt: skip
-        # bounded: the drill inside the replay, then the resolve through Alertmanager
-        deadline = time.monotonic() + 420
+        # bounded: the squeeze ends SQUEEZE_AT + SQUEEZE_FOR wall seconds into the replay whatever
+        # the machine's load; the resolve then needs the sessions to come back to the re-filled
+        # pool, which a slowed replay does proportionally later, hence the wide second bound
+        deadline, released = time.monotonic() + 300, False
         while not hook.alerts("resolved"):
-            assert up.poll() is None, "kvscope up ended before the resolve reached the webhook"
-            assert time.monotonic() < deadline, "no resolve reached the webhook"
+            assert up.poll() is None, f"kvscope up ended before the resolve reached the webhook: {_progress(tmp_path)}"
+            if not released and "pool released" in (tmp_path / "up.log").read_text():
+                deadline, released = time.monotonic() + RESOLVE_WITHIN, True
+            assert time.monotonic() < deadline, f"no resolve reached the webhook: {_progress(tmp_path)}"
             time.sleep(0.2)
         time.sleep(3)  # anything more (a second page, a second resolve) would arrive now
         up.send_signal(signal.SIGTERM)  # stop the replay: it prints its summary and stops the agent
@@ -161,6 +167,12 @@ def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path
     # and the agent's own log receiver got the same page and resolve once each
     notified = [json.loads(line) for line in (data / "notifications.jsonl").read_text().splitlines()]
     assert [n["status"] for n in notified] == ["firing", "resolved"]
+
+
+def _progress(tmp_path: Path) -> str:
+    """The replay's last progress line and the drill's lines, for a failure message."""
+    lines = (tmp_path / "up.log").read_text().splitlines()
+    return " | ".join([line for line in lines if "swa_window pool" in line] + [line.strip() for line in lines if "replay" in line][-1:])
 
 
 def _clock(log: str, event: str) -> float:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from alerts.rulefile import DEFAULT_RULES_PATH
+from tests.agent_process import agent_env
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
@@ -127,6 +128,47 @@ def test_up_exit_when_done_then_sql_on_the_file(tmp_path: Path) -> None:
     assert total == [summary["recoverable_tokens"], summary["prompt_tokens"]]
     # the agent ran the shipped rule file
     assert f"alert rules {DEFAULT_RULES_PATH}" in (data / "agent.log").read_text()
+
+
+def test_a_killed_up_does_not_leave_its_agent_holding_the_store(tmp_path: Path) -> None:
+    """SIGKILL to ``up`` alone (its handlers never run): the agent it started notices it was
+    re-parented, shuts down as on SIGTERM (what was ingested is kept) and frees port and lock."""
+    from kvscope.up import database_holder
+
+    agent_port, data = free_port(), tmp_path / "data"
+    cmd = [
+        *KVSCOPE, "up", "--data-dir", str(data), "--agent-port", str(agent_port), "--no-dashboard",
+        "--max-requests", "400", "--max-output-tokens", "2",
+    ]  # fmt: skip
+    log = (tmp_path / "up.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**agent_env(), "OMP_NUM_THREADS": "1"})
+    agent = f"http://127.0.0.1:{agent_port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # bounded: until the replay has stored a request
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            try:
+                stored = httpx.post(agent + "/v1/sql", json={"sql": "SELECT count(*) FROM requests"}, timeout=5).json()["rows"][0][0]
+            except httpx.HTTPError:
+                stored = 0
+            if stored:
+                break
+            assert time.monotonic() < deadline, "no request stored within 180 s"
+            time.sleep(0.5)
+        proc.kill()  # up only: the agent is in its own process group
+        proc.wait(10)
+        deadline = time.monotonic() + 60
+        while database_holder(data / "kvscope.duckdb") is not None:
+            assert time.monotonic() < deadline, "the agent still holds the store 60 s after up was killed"
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(agent + "/healthz", timeout=2)
+    assert "parent process" in (data / "agent.log").read_text()
+    assert kvscope_sql(data / "kvscope.duckdb", "SELECT count(*) > 0 FROM requests")["rows"] == [[True]]
 
 
 def test_up_rejects_a_malformed_trace_before_starting(tmp_path: Path) -> None:
