@@ -4,13 +4,14 @@ checkpoints and the NVML GPU sampler, on one APScheduler 3.x ``BackgroundSchedul
 Jobs (each ``max_instances=1``, ``coalesce=True``; a failure is logged and counted in
 ``kvscope_maintenance_runs_total{job, status="error"}``, and the next run tries again):
 
-* ``rollup`` every ``rollup_interval_seconds``: :func:`agent.ingest.fold_cache_minute`, then the
+* ``rollup`` every ``rollup_interval_seconds``: :func:`agent.ingest.fold_cache_minute` and
+  :func:`agent.ingest.fold_form_usable_minute`, then the
   ``kvscope_recoverable_hit_ratio`` gauge from the last minute (:func:`recent_hit_ratios`).
 * ``export`` every hour, ``export_lag_seconds`` after the hour (or every
   ``maintenance_interval_seconds``): :func:`export_parquet` writes the rows of finished hours
   stored since their last export (a late event adds a part, never rewrites one), then — only if
   the export succeeded — :func:`apply_retention`, which deletes only rows already exported (and,
-  for lookups, folded into ``cache_minute``).
+  for lookups and requests, folded into the rollups).
 * ``checkpoint`` every ``checkpoint_interval_seconds``: ``CHECKPOINT`` (folds the WAL into the
   file; acknowledged batches are durable in the WAL before that already).
 * ``gpu`` every ``gpu_sample_seconds`` when NVML found a GPU (:class:`agent.gpu.GpuSampler`).
@@ -50,7 +51,7 @@ from prometheus_client import Counter
 
 from agent.config import AgentConfig
 from agent.gpu import GpuSampler
-from agent.ingest import fold_cache_minute
+from agent.ingest import fold_cache_minute, fold_form_usable_minute
 from agent.metrics import AgentMetrics
 from agent.store import Store, to_timestamp
 
@@ -214,12 +215,13 @@ def apply_retention(
     rollup_retention_days: float | None,
     exported_only: bool = True,
 ) -> dict[str, int]:
-    """Delete raw rows older than the raw cutoff (by ``ts``) and ``cache_minute`` rows older than
+    """Delete raw rows older than the raw cutoff (by ``ts``) and rollup rows (``cache_minute``,
+    ``form_usable_minute``) older than
     the rollup cutoff (by ``minute``), in one transaction. Returns rows deleted per table.
 
     A raw row is deleted only once it is safe: with ``exported_only``, only if its hour's export
     reached its stamp (so an hour never exported, or rows that arrived since, wait for the next
-    export); and a ``cache_lookups`` row only once ``cache_minute`` folded it. ``ingest_batches``
+    export); and a ``cache_lookups`` or ``requests`` row only once the rollups folded it. ``ingest_batches``
     is kept (it is what makes re-sent batches duplicates).
 
     Raises:
@@ -238,20 +240,26 @@ def apply_retention(
                         f"WHERE e.table_name = '{table}' AND e.hour = date_trunc('hour', {table}.ts)), "
                         "TIMESTAMP '0001-01-01')"
                     )
-                if table == "cache_lookups":
+                for rollup_name in FOLDED_INTO.get(table, ()):
                     conditions.append(
                         "ingested_at <= coalesce((SELECT w.ingested_at FROM rollup_watermarks w "
-                        "WHERE w.name = 'cache_minute'), TIMESTAMP '0001-01-01')"
+                        f"WHERE w.name = '{rollup_name}'), TIMESTAMP '0001-01-01')"
                     )
                 ((n,),) = cur.execute(
                     f"DELETE FROM {table} WHERE {' AND '.join(conditions)}", {"cutoff": raw}
                 ).fetchall()
                 deleted[table] = int(n)
         if rollup is not None:
-            ((n,),) = cur.execute("DELETE FROM cache_minute WHERE minute < $cutoff", {"cutoff": rollup}).fetchall()
-            deleted["cache_minute"] = int(n)
+            for rollup_table in ROLLUP_TABLES:
+                ((n,),) = cur.execute(f"DELETE FROM {rollup_table} WHERE minute < $cutoff", {"cutoff": rollup}).fetchall()
+                deleted[rollup_table] = int(n)
     return deleted
 
+
+ROLLUP_TABLES = ("cache_minute", "form_usable_minute")
+"""The per-minute rollups, kept ``rollup_retention_days``."""
+FOLDED_INTO = {"cache_lookups": ROLLUP_TABLES, "requests": ("form_usable_minute",)}
+"""Raw tables whose rows retention deletes only once these rollups have folded them."""
 
 HIT_RATIO_WINDOW_SECONDS = 60.0
 HIT_RATIO_LAG_SECONDS = 5.0
@@ -309,6 +317,7 @@ class MaintenanceScheduler:
     # -- the jobs (callable directly) ---------------------------------------------------------------
     def rollup(self) -> int:
         folded = fold_cache_minute(self.store)
+        fold_form_usable_minute(self.store)
         self.metrics.set_recoverable_hit_ratios(recent_hit_ratios(self.store, now=self.clock()))
         return folded
 
@@ -396,7 +405,7 @@ class MaintenanceScheduler:
 
     def shutdown(self) -> None:
         """Stop the jobs (waiting for a running one), then fold what is left into
-        ``cache_minute`` once more. Idempotent."""
+        the rollups once more. Idempotent."""
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is None:
             return

@@ -268,6 +268,26 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        version=6,
+        name="form_usable_minute: per minute and form, the usable and prompt tokens of the requests",
+        statements=(
+            # folded by agent.ingest.fold_form_usable_minute (watermark 'form_usable_minute'); the
+            # first fold after this migration takes every stored request
+            """
+            CREATE TABLE form_usable_minute (
+                minute TIMESTAMP NOT NULL,
+                engine_id VARCHAR NOT NULL,
+                model VARCHAR NOT NULL,
+                form VARCHAR NOT NULL,
+                requests BIGINT NOT NULL,
+                usable_tokens HUGEINT NOT NULL,
+                prompt_tokens HUGEINT NOT NULL,
+                PRIMARY KEY (minute, engine_id, model, form)
+            )
+            """,
+        ),
+    ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""
 

@@ -21,6 +21,7 @@ from types import MappingProxyType
 
 import duckdb
 
+from agent.ingest import LOOKUP_SLACK
 from agent.migrations import RECOVERY_BUCKETS_V3, bucket_column
 
 MAX_NAME_CHARS = 256
@@ -238,30 +239,39 @@ FORM_USABLE_TIMESERIES = NamedQuery(
     description=(
         "Per time bucket and form: the form's usable tokens over the prompt tokens of the "
         "requests that looked it up. A form's usable tokens per request are the minimum over "
-        "its lookups (layer groups, tensor-parallel ranks); lookups are bucketed by their "
-        "request's ts and lookups whose request event is not stored yet are left out (so are "
-        "lookups more than an hour older than the window, of requests that ran that long)."
+        "its lookups (layer groups, tensor-parallel ranks) stored up to an hour before the "
+        "request's ts; requests are bucketed by their ts. Buckets of whole minutes read the "
+        "form_usable_minute rollup (folded every rollup interval, like cache_minute), others the "
+        "raw tables; a request whose request event is not stored yet is left out."
     ),
     sql=f"""
-    WITH per_request AS (
-        SELECT engine_id, request_id, form, min(usable_tokens) AS usable_tokens
-        FROM cache_lookups
-        -- a lookup happens when its request is admitted, before the request event's ts: an hour
-        -- of slack keeps every lookup of the window's requests and skips the rest of the table
-        WHERE ts >= $now - to_seconds($since_seconds::BIGINT) - INTERVAL 1 HOUR AND {_FILTER.format(t="")}
-        GROUP BY engine_id, request_id, form
+    WITH rolled AS (
+        SELECT time_bucket(to_seconds($bucket_seconds::BIGINT), minute, TIMESTAMP '1970-01-01') AS bucket,
+               form, sum(usable_tokens) AS usable_tokens, sum(prompt_tokens) AS prompt_tokens
+        FROM form_usable_minute
+        WHERE $bucket_seconds::BIGINT % 60 = 0
+          AND minute >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+        GROUP BY ALL
+    ), per_request AS (
+        SELECT r.ts, r.prompt_tokens, l.form, min(l.usable_tokens) AS usable_tokens
+        FROM requests AS r
+        JOIN cache_lookups AS l USING (engine_id, request_id)
+        WHERE $bucket_seconds::BIGINT % 60 <> 0
+          AND r.ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="r.")}
+          -- lookups happen at admission, before the request event's ts (agent.ingest.LOOKUP_SLACK)
+          AND l.ts >= $now - to_seconds($since_seconds::BIGINT) - {LOOKUP_SLACK}
+          AND l.ts >= r.ts - {LOOKUP_SLACK}
+        GROUP BY r.engine_id, r.request_id, r.ts, r.prompt_tokens, l.form
+    ), raw AS (
+        SELECT {_BUCKET_EXPR.format(t="")} AS bucket, form,
+               sum(usable_tokens) AS usable_tokens, sum(prompt_tokens) AS prompt_tokens
+        FROM per_request
+        GROUP BY ALL
     )
-    SELECT
-        {_BUCKET_EXPR.format(t="r.")} AS bucket,
-        f.form AS form,
-        sum(f.usable_tokens)::BIGINT AS usable_tokens,
-        sum(r.prompt_tokens)::BIGINT AS prompt_tokens,
-        sum(f.usable_tokens)::DOUBLE / nullif(sum(r.prompt_tokens), 0) AS usable_rate
-    FROM per_request AS f
-    JOIN requests AS r USING (engine_id, request_id)
-    WHERE r.ts >= $now - to_seconds($since_seconds::BIGINT)
-    GROUP BY bucket, f.form
-    ORDER BY bucket, f.form
+    SELECT bucket, form, usable_tokens::BIGINT AS usable_tokens, prompt_tokens::BIGINT AS prompt_tokens,
+           usable_tokens::DOUBLE / nullif(prompt_tokens, 0) AS usable_rate
+    FROM (SELECT * FROM rolled UNION ALL SELECT * FROM raw)
+    ORDER BY bucket, form
     """,
     params=(_SINCE, _BUCKET, _engine(), _MODEL),
     columns=("bucket", "form", "usable_tokens", "prompt_tokens", "usable_rate"),
@@ -269,15 +279,33 @@ FORM_USABLE_TIMESERIES = NamedQuery(
 
 RECENT_REQUESTS = NamedQuery(
     name="recent_requests",
-    description="The latest requests, newest first.",
+    description=(
+        "The latest requests, newest first; optionally only those in the last since_seconds, "
+        "with ts in [start_ts, end_ts) (unix seconds: one chart bucket), limited by one form, or "
+        "whose request id contains search (case-insensitive)."
+    ),
     sql=f"""
     SELECT * EXCLUDE (ingested_at)
     FROM requests
     WHERE {_FILTER.format(t="")}
+      AND ($since_seconds::BIGINT IS NULL OR ts >= $now - to_seconds($since_seconds::BIGINT))
+      AND ($start_ts::DOUBLE IS NULL OR ts >= make_timestamp(($start_ts::DOUBLE * 1e6)::BIGINT))
+      AND ($end_ts::DOUBLE IS NULL OR ts < make_timestamp(($end_ts::DOUBLE * 1e6)::BIGINT))
+      AND ($limiting_form::VARCHAR IS NULL OR limiting_form = $limiting_form)
+      AND ($search::VARCHAR IS NULL OR contains(lower(request_id), lower($search)))
     ORDER BY ts DESC, request_id
     LIMIT $limit
     """,
-    params=(_LIMIT, _engine(), _MODEL),
+    params=(
+        _LIMIT,
+        _engine(),
+        _MODEL,
+        QueryParam(name="since_seconds", kind=int, minimum=1, maximum=366 * 86400, description="only requests this recent"),
+        QueryParam(name="start_ts", kind=float, minimum=0, maximum=2**33, description="only requests at or after (unix seconds)"),
+        QueryParam(name="end_ts", kind=float, minimum=0, maximum=2**33, description="only requests before (unix seconds)"),
+        QueryParam(name="limiting_form", kind=str, description="only requests this form limited"),
+        QueryParam(name="search", kind=str, description="part of the request id (case-insensitive)"),
+    ),
     columns=(
         "ts",
         "engine_id",

@@ -4,7 +4,8 @@ six lookups, the ``cache_minute`` rollup of them, engine stats and batches — s
 ``--hours`` hours, so the pages' default windows (15 minutes, 1 hour) cut through real volume.
 
 Rows are generated as Arrow tables (numpy, seeded) and inserted the way the agent's flusher
-does; the rollup is folded with the agent's own :func:`agent.ingest.fold_cache_minute`. Each
+does; the rollups are folded with the agent's own :func:`agent.ingest.fold_cache_minute` and
+:func:`agent.ingest.fold_form_usable_minute` (their first fold and a ten-second one are timed). Each
 query then runs ``--repeats`` times through the agent's read-only path
 (:func:`agent.sql.run_read_query`, what ``GET /v1/query/{name}`` calls); reported per query:
 median and max milliseconds, rows returned; per page: the slowest query's median and the sum of
@@ -29,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from agent import queries, sql
-from agent.ingest import fold_cache_minute, registered
+from agent.ingest import fold_cache_minute, fold_form_usable_minute, registered
 from agent.store import Store, to_timestamp
 
 PAGES: dict[str, list[tuple[str, dict[str, str]]]] = {
@@ -70,9 +71,11 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def generate(store: Store, lookups: int, hours: float, seed: int) -> None:
+def generate(store: Store, lookups: int, hours: float, seed: int) -> dict[str, float]:
     """Fill ``store`` with ``lookups`` lookups (6 per request, one per form), their requests,
-    engine stats every 5 s per form, and one ingest batch per 1000 events."""
+    engine stats every 5 s per form, and one ingest batch per 1000 events; fold the rollups.
+    Returns the seconds the rollup folds took: the first (everything) and a later one (the
+    agent's usual case: ten seconds of traffic at the store's average rate, newly stored)."""
     rng = np.random.default_rng(seed)
     now = time.time()
     start = now - hours * 3600
@@ -81,47 +84,11 @@ def generate(store: Store, lookups: int, hours: float, seed: int) -> None:
     ingested = to_timestamp(now)
     for first in range(0, requests_total, chunk // 6):
         n = min(chunk // 6, requests_total - first)
-        ids = np.arange(first, first + n)
-        ts = np.sort(rng.uniform(start, now, n))
-        engine = np.array(["e1", "e2", "e3", "e4"])[ids % 4]
-        prompt = rng.integers(256, 8192, n)
-        hash_hit = (prompt * rng.uniform(0, 1, n)).astype(np.int64)
-        usable = hash_hit[:, None] * rng.uniform(0.3, 1.0, (n, 6))
-        usable = usable.astype(np.int64)
-        resume = usable.min(axis=1)
-        outcome = np.where(usable == hash_hit[:, None], "hit", np.where(rng.uniform(0, 1, (n, 6)) < 0.2, "recovered", "invalidated"))
-        reason = np.where(outcome == "hit", "none", np.where(outcome == "recovered", "kv_evicted", "swa_evicted"))
-        tier = np.where(outcome == "recovered", "host", "device")
-        limiting = FORMS[usable.argmin(axis=1)]
-        ts_us = pa.array((ts * 1e6).astype(np.int64), pa.timestamp("us"))
-        requests = pa.table(
-            {
-                "ts": ts_us, "engine_id": engine, "request_id": np.char.add("r", ids.astype(str)), "model": np.full(n, "m1"),
-                "prompt_tokens": prompt, "output_tokens": np.full(n, 16), "hash_hit_tokens": hash_hit, "resume_tokens": resume,
-                "recoverable_tokens": resume, "replayed_tokens": np.zeros(n, np.int64), "recomputed_tokens": prompt - resume,
-                "approximate": np.zeros(n, bool), "limiting_form": limiting, "limiting_reason": np.full(n, "swa_evicted"),
-                "admission": np.full(n, "exact"), "ttft_seconds": rng.uniform(0.01, 2, n), "e2e_seconds": rng.uniform(0.1, 5, n),
-                "predicted_seconds": rng.uniform(0, 1, n), "actual_seconds": rng.uniform(0, 1, n),
-                "ingested_at": pa.array([ingested] * n, pa.timestamp("us")),
-            }
-        )  # fmt: skip
-        m = n * 6
-        lookups_table = pa.table(
-            {
-                "ts": pa.array(np.repeat((ts * 1e6).astype(np.int64), 6), pa.timestamp("us")),
-                "engine_id": np.repeat(engine, 6), "request_id": np.repeat(requests.column("request_id").to_numpy(zero_copy_only=False), 6),
-                "model": np.full(m, "m1"), "form": np.tile(FORMS, n), "tier": tier.reshape(-1), "outcome": outcome.reshape(-1),
-                "reason": reason.reshape(-1), "hash_hit_tokens": np.repeat(hash_hit, 6), "usable_tokens": usable.reshape(-1),
-                "recoverable_tokens": usable.reshape(-1), "replayed_tokens": np.zeros(m, np.int64), "approximate": np.zeros(m, bool),
-                "recovery_seconds": np.where(outcome.reshape(-1) == "recovered", rng.exponential(0.05, m), 0.0),
-                "bytes_moved": np.zeros(m, np.int64), "layer_group": np.zeros(m, np.int32), "tp_rank": np.zeros(m, np.int32),
-                "epoch": np.zeros(m, np.int64), "ingested_at": pa.array([ingested] * m, pa.timestamp("us")),
-            }
-        )  # fmt: skip
+        requests, lookups_table = traffic(rng, first, np.sort(rng.uniform(start, now, n)), ingested)
         with store.transaction() as cur:
             insert(cur, "requests", requests)
             insert(cur, "cache_lookups", lookups_table)
-        log(f"  {first * 6 + m:,} lookups stored")
+        log(f"  {first * 6 + n * 6:,} lookups stored")
     steps = np.arange(start, now, 5.0)
     stats = pa.table(
         {
@@ -144,9 +111,70 @@ def generate(store: Store, lookups: int, hours: float, seed: int) -> None:
     with store.transaction() as cur:
         insert(cur, "engine_stats", stats)
         insert(cur, "ingest_batches", batches)
-    log("  folding the cache_minute rollup ...")
+    log("  folding the rollups ...")
+    folds: dict[str, float] = {}
+    began = time.perf_counter()
     fold_cache_minute(store)
+    folds["cache_minute_first_s"] = time.perf_counter() - began
+    began = time.perf_counter()
+    fold_form_usable_minute(store)
+    folds["form_usable_minute_first_s"] = time.perf_counter() - began
+    n = max(1, round(requests_total / (hours * 360)))  # ten seconds of requests
+    requests, lookups_table = traffic(rng, requests_total, np.sort(rng.uniform(now - 10, now, n)), to_timestamp(time.time()))
+    with store.transaction() as cur:
+        insert(cur, "requests", requests)
+        insert(cur, "cache_lookups", lookups_table)
+    began = time.perf_counter()
+    fold_cache_minute(store)
+    folds["cache_minute_10s_s"] = time.perf_counter() - began
+    began = time.perf_counter()
+    fold_form_usable_minute(store)
+    folds["form_usable_minute_10s_s"] = time.perf_counter() - began
     store.checkpoint()
+    return {k: round(v, 3) for k, v in folds.items()}
+
+
+def traffic(rng: np.random.Generator, first: int, ts: np.ndarray, ingested: datetime) -> tuple[pa.Table, pa.Table]:
+    """Requests ``r{first}``, ... at ``ts`` (unix seconds) on four engines and their six
+    lookups each (one per form), stamped ``ingested``."""
+    n = len(ts)
+    ids = np.arange(first, first + n)
+    engine = np.array(["e1", "e2", "e3", "e4"])[ids % 4]
+    prompt = rng.integers(256, 8192, n)
+    hash_hit = (prompt * rng.uniform(0, 1, n)).astype(np.int64)
+    usable = hash_hit[:, None] * rng.uniform(0.3, 1.0, (n, 6))
+    usable = usable.astype(np.int64)
+    resume = usable.min(axis=1)
+    outcome = np.where(usable == hash_hit[:, None], "hit", np.where(rng.uniform(0, 1, (n, 6)) < 0.2, "recovered", "invalidated"))
+    reason = np.where(outcome == "hit", "none", np.where(outcome == "recovered", "kv_evicted", "swa_evicted"))
+    tier = np.where(outcome == "recovered", "host", "device")
+    limiting = FORMS[usable.argmin(axis=1)]
+    ts_us = pa.array((ts * 1e6).astype(np.int64), pa.timestamp("us"))
+    requests = pa.table(
+        {
+            "ts": ts_us, "engine_id": engine, "request_id": np.char.add("r", ids.astype(str)), "model": np.full(n, "m1"),
+            "prompt_tokens": prompt, "output_tokens": np.full(n, 16), "hash_hit_tokens": hash_hit, "resume_tokens": resume,
+            "recoverable_tokens": resume, "replayed_tokens": np.zeros(n, np.int64), "recomputed_tokens": prompt - resume,
+            "approximate": np.zeros(n, bool), "limiting_form": limiting, "limiting_reason": np.full(n, "swa_evicted"),
+            "admission": np.full(n, "exact"), "ttft_seconds": rng.uniform(0.01, 2, n), "e2e_seconds": rng.uniform(0.1, 5, n),
+            "predicted_seconds": rng.uniform(0, 1, n), "actual_seconds": rng.uniform(0, 1, n),
+            "ingested_at": pa.array([ingested] * n, pa.timestamp("us")),
+        }
+    )  # fmt: skip
+    m = n * 6
+    lookups_table = pa.table(
+        {
+            "ts": pa.array(np.repeat((ts * 1e6).astype(np.int64), 6), pa.timestamp("us")),
+            "engine_id": np.repeat(engine, 6), "request_id": np.repeat(requests.column("request_id").to_numpy(zero_copy_only=False), 6),
+            "model": np.full(m, "m1"), "form": np.tile(FORMS, n), "tier": tier.reshape(-1), "outcome": outcome.reshape(-1),
+            "reason": reason.reshape(-1), "hash_hit_tokens": np.repeat(hash_hit, 6), "usable_tokens": usable.reshape(-1),
+            "recoverable_tokens": usable.reshape(-1), "replayed_tokens": np.zeros(m, np.int64), "approximate": np.zeros(m, bool),
+            "recovery_seconds": np.where(outcome.reshape(-1) == "recovered", rng.exponential(0.05, m), 0.0),
+            "bytes_moved": np.zeros(m, np.int64), "layer_group": np.zeros(m, np.int32), "tp_rank": np.zeros(m, np.int32),
+            "epoch": np.zeros(m, np.int64), "ingested_at": pa.array([ingested] * m, pa.timestamp("us")),
+        }
+    )  # fmt: skip
+    return requests, lookups_table
 
 
 def insert(cur: object, name: str, table: pa.Table) -> None:
@@ -168,10 +196,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             log(f"generating {args.lookups:,} lookups over {args.hours:g} h ...")
             began = time.perf_counter()
-            generate(store, args.lookups, args.hours, args.seed)
+            folds = generate(store, args.lookups, args.hours, args.seed)
             build_seconds = time.perf_counter() - began
             with store.cursor() as cur:
-                counts = {t: cur.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("cache_lookups", "requests", "cache_minute", "engine_stats")}  # type: ignore[index]
+                counts = {t: cur.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("cache_lookups", "requests", "cache_minute", "form_usable_minute", "engine_stats")}  # type: ignore[index]
             timings: dict[str, dict[str, object]] = {}
             pages: dict[str, float] = {}
             totals: dict[str, float] = {}
@@ -207,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                 "hours": args.hours,
                 "repeats": args.repeats,
                 "build_seconds": round(build_seconds, 1),
+                "rollup_fold_seconds": folds,
                 "queries": timings,
                 "page_slowest_median_ms": pages,
                 "page_total_median_ms": totals,

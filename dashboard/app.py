@@ -19,9 +19,9 @@ except ImportError:  # run by path from a source checkout: make the package impo
 
 import streamlit as st
 
-from dashboard import alerts_page, capacity_page, forms_page, overview, requests_page, sql_page
 from dashboard.client import client_from
 from dashboard.common import CLIENT_KEY
+from dashboard.pages import all_pages
 
 
 def main() -> None:
@@ -31,16 +31,7 @@ def main() -> None:
     except ValueError as exc:
         st.error(f"Cannot use the agent URL: {exc}")
         st.stop()
-    page = st.navigation(
-        [
-            st.Page(overview.render, title="Overview", url_path="overview", default=True),
-            st.Page(forms_page.render, title="Forms", url_path="forms"),
-            st.Page(requests_page.render, title="Requests", url_path="requests"),
-            st.Page(alerts_page.render, title="Alerts", url_path="alerts"),
-            st.Page(sql_page.render, title="SQL", url_path="sql"),
-            st.Page(capacity_page.render, title="Capacity", url_path="capacity"),
-        ]
-    )
+    page = st.navigation(all_pages())
     page.run()
 
 

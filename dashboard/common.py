@@ -2,9 +2,8 @@
 (time range, engine, model, form) in the sidebar.
 
 The filters live in the URL's query string (``?window=1+hour&engine=e1``), so a view can be
-shared, and in the session (Streamlit's ``bind="query-params"`` and ``persist_state="session"``),
-so they carry across pages; an engine or model named in a shared URL that the agent has not seen
-in the window stays selectable.
+shared, and in the session, so they carry across pages and the links between them; an engine or
+model named in a shared URL that the agent has not seen in the window stays selectable.
 """
 
 from __future__ import annotations
@@ -15,10 +14,17 @@ from dataclasses import dataclass
 
 import pandas as pd
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from dashboard.client import AgentClient, AgentError, client_from, query_frame
 
 CLIENT_KEY = "kvscope_agent_client"
+PAGE_MARK = "page"
+"""Where the session's last filters note the page they were rendered on."""
+LAST_FILTERS_KEY = "kvscope_last_filters"
+"""The filters of the session's last page: the defaults of the next page's filter widgets, so a
+link that changes page keeps them even when they came from the URL (Streamlit keeps only values a
+user set across a page change)."""
 CACHE_TTL_SECONDS = 4
 REFRESH_SECONDS = 5
 WINDOWS: dict[str, tuple[int, int]] = {
@@ -86,28 +92,71 @@ def query(client: AgentClient, name: str, **params: object) -> pd.DataFrame:
 
 
 def sidebar_filters(client: AgentClient) -> Filters:
-    """Render the shared filters in the sidebar and return them. Each is bound to its query
-    parameter (``?window=1+hour&engine=e1``: a view can be shared) and kept for the whole session,
-    so it carries across pages; an engine or model a shared URL names that the agent has not seen
-    in the window stays selectable."""
+    """Render the shared filters in the sidebar and return them. Each is kept in the URL's query
+    string (``?window=1+hour&engine=e1``: a view can be shared; a default value is left out) and
+    in the session, so it carries across pages and links; an engine or model a URL names that the
+    agent has not seen in the window stays selectable."""
     bar = st.sidebar
     bar.header("Filters")
-    window = bar.selectbox(
-        "Time range", list(WINDOWS), index=list(WINDOWS).index(DEFAULT_WINDOW), key="window", bind="query-params", persist_state="session"
-    )
+    last: dict[str, str] = st.session_state.setdefault(LAST_FILTERS_KEY, {})
+    page = _page_id()
+    opened = last.get(PAGE_MARK) != page  # this page's first run since another page ran
+    window = _synced(bar, "Time range", "window", list(WINDOWS), DEFAULT_WINDOW, last, opened)
     try:
         seen = query(client, "engines", since_seconds=WINDOWS[window][0])
     except AgentError:
         seen = pd.DataFrame({"engine_id": [], "model": []})
-    engine = _choice(bar, "Engine", "engine", sorted(set(seen["engine_id"])))
-    model = _choice(bar, "Model", "model", sorted(set(seen["model"])))
-    form = _choice(bar, "Form", "form", list(FORMS))
+    engine = _choice(bar, "Engine", "engine", sorted(set(seen["engine_id"])), last, opened)
+    model = _choice(bar, "Model", "model", sorted(set(seen["model"])), last, opened)
+    form = _choice(bar, "Form", "form", list(FORMS), last, opened)
+    last[PAGE_MARK] = page
     return Filters(window=window, engine=engine, model=model, form=form)
 
 
-def _choice(bar: object, label: str, key: str, options: list[str]) -> str | None:
-    wanted = st.session_state.get(key) or st.query_params.get(key)
-    if wanted and wanted != ALL and wanted not in options:
-        options = [*options, wanted]  # named by a shared URL (or chosen earlier), not seen in this window
-    value = bar.selectbox(label, [ALL, *options], key=key, bind="query-params", persist_state="session")  # type: ignore[attr-defined]
-    return None if value in (None, ALL) else str(value)
+def _page_id() -> str:
+    ctx = get_script_run_ctx()
+    return ctx.page_script_hash if ctx is not None else ""
+
+
+def _choice(bar: object, label: str, key: str, options: list[str], last: dict[str, str], opened: bool) -> str | None:
+    for wanted in (st.session_state.get(key), st.query_params.get(key), last.get(key)):
+        if wanted and wanted != ALL and wanted not in options:
+            options = [*options, wanted]  # named by a URL (or chosen earlier), not seen in this window
+    value = _synced(bar, label, key, [ALL, *options], ALL, last, opened)
+    return None if value == ALL else value
+
+
+def _synced(bar: object, label: str, key: str, options: list[str], default: str, last: dict[str, str], opened: bool) -> str:
+    """A sidebar select box whose value, when the page opens, comes from the URL (a shared link,
+    or a link from another page), else from the session's last page, else is ``default``; on
+    later runs it is what the user chose. The value is written back to the URL (left out when it
+    is the default) and remembered for the next page: Streamlit forgets a page's widgets when
+    another page runs, hence the session's own copy."""
+    from_url, current = st.query_params.get(key), st.session_state.get(key)
+    candidates = (from_url, last.get(key)) if opened else (current, from_url, last.get(key))
+    wanted = next((c for c in candidates if c in options), default)
+    if key in st.session_state and current != wanted:
+        del st.session_state[key]  # a value left from another page must not override the URL's
+    value = str(bar.selectbox(label, options, index=options.index(wanted), key=key))  # type: ignore[attr-defined]
+    if value == default:
+        st.query_params.pop(key, None)
+    elif st.query_params.get(key) != value:
+        st.query_params[key] = value
+    last[key] = value
+    return value
+
+
+def requests_link(filters: Filters, label: str, *, start: float | None = None, end: float | None = None, form: str | None = None) -> None:
+    """A link to the Requests page showing the requests behind a chart: those in ``[start, end)``
+    (unix seconds; one bucket) and/or limited by ``form``, with the current engine and model."""
+    from dashboard.pages import page
+
+    params = {"window": filters.window, "engine": filters.engine, "model": filters.model, "form": form or filters.form}
+    if start is not None and end is not None:
+        params.update(start=f"{start:.6f}".rstrip("0").rstrip("."), end=f"{end:.6f}".rstrip("0").rstrip("."))
+    st.page_link(page("requests"), label=label, icon=":material/manage_search:", query_params={k: v for k, v in params.items() if v is not None})
+
+
+def unix_seconds(bucket: pd.Timestamp) -> float:
+    """A bucket label from the agent (naive UTC) as unix seconds."""
+    return float((bucket - pd.Timestamp(0)).total_seconds())

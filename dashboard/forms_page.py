@@ -21,7 +21,7 @@ from agent.ingest import RECOVERING_OUTCOMES, RECOVERY_BUCKETS
 from agent.migrations import bucket_column
 from alerts.rule_eval import histogram_quantile
 from dashboard.client import AgentError
-from dashboard.common import FORMS, current_client, query, sidebar_filters
+from dashboard.common import FORMS, current_client, query, requests_link, sidebar_filters
 
 LE_COLUMNS = [bucket_column(b) for b in RECOVERY_BUCKETS]
 QUANTILES = (0.5, 0.95, 0.99)
@@ -50,6 +50,7 @@ def render() -> None:
     latency_panel(rows)
     tiers_panel(rows)
     limiting_panel(limiting, form)
+    requests_link(filters, f"The requests {form} limited in this window", form=form)
 
 
 def outcomes_panel(rows: pd.DataFrame) -> None:

@@ -6,7 +6,8 @@ Panels (all from the agent's named queries, refreshed every :data:`REFRESH_SECON
 * current recoverable and raw hit rate (the latest time bucket) with the change from the bucket
   before, in percentage points;
 * recoverable vs raw hit rate over time (``hit_rate_timeseries``) — the gap is what hybrid
-  caches lose between "hash hit" and "actually reused";
+  caches lose between "hash hit" and "actually reused" — and a link to the requests of the bucket
+  with the lowest recoverable rate (the Requests page, narrowed to that bucket);
 * prompt tokens split into recoverable / replayed / recomputed per bucket;
 * each form's usable rate over time (``form_usable_timeseries``): which form explains the gap;
 * each form's recoverable rate (recoverable / hash-hit tokens of its lookups, from the rollup) as
@@ -24,7 +25,15 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.client import AgentClient, AgentError
-from dashboard.common import REFRESH_SECONDS, Filters, current_client, query, sidebar_filters
+from dashboard.common import (
+    REFRESH_SECONDS,
+    Filters,
+    current_client,
+    query,
+    requests_link,
+    sidebar_filters,
+    unix_seconds,
+)
 
 
 def _percent(ratio: float | None) -> str:
@@ -74,6 +83,7 @@ def live_panels(client: AgentClient, filters: Filters) -> None:
         ),
         width="stretch",
     )
+    _lowest_bucket_link(rates, filters)
     st.subheader("Prompt tokens: recoverable / replayed / recomputed")
     st.bar_chart(
         rates[["recoverable_tokens", "replayed_tokens", "recomputed_tokens"]].rename(
@@ -90,6 +100,31 @@ def live_panels(client: AgentClient, filters: Filters) -> None:
         st.altair_chart(_lines(usable, "form", "usable rate"), width="stretch")
     _form_multiples(client, filters)
     _ingest_health(client, filters)
+
+
+def lowest_bucket(rates: pd.DataFrame) -> tuple[pd.Timestamp, float] | None:
+    """The bucket (index of ``rates``) with the lowest recoverable hit rate among those with prompt
+    tokens, and that rate; the latest such bucket on a tie; None when no bucket has a rate."""
+    rated = rates["recoverable_hit_rate"].dropna()
+    if rated.empty:
+        return None
+    lowest = rated[rated == rated.min()].index.max()
+    return lowest, float(rated[lowest])
+
+
+def _lowest_bucket_link(rates: pd.DataFrame, filters: Filters) -> None:
+    found = lowest_bucket(rates)
+    if found is None:
+        return
+    bucket, rate = found
+    start = unix_seconds(bucket)
+    end = start + filters.bucket_seconds
+    requests_link(
+        filters,
+        f"The requests behind the lowest bucket: {bucket:%H:%M:%S}–{pd.Timestamp(end, unit='s'):%H:%M:%S} UTC, {rate:.1%} recoverable",
+        start=start,
+        end=end,
+    )
 
 
 def _alert_banner(client: AgentClient) -> None:

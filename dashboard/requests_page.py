@@ -1,21 +1,29 @@
 """The Requests page: recent requests, searchable, and one request's story.
 
-* **Recent requests** (``recent_requests``, narrowed by the sidebar's engine and model and by a
-  search over request ids): prompt tokens, hash hit, resume point L*, recoverable / replayed /
-  recomputed tokens, the limiting form and reason, the admission, TTFT.
+* **Recent requests** (``recent_requests``, filtered by the agent): those of the sidebar's time
+  range, or of one chart bucket when the page was opened from a drop on the Overview (``?start=``
+  and ``?end=``, unix seconds), of its engine and model, limited by its form when one is chosen,
+  and whose id contains the search text: prompt tokens, hash hit, resume point L*, recoverable /
+  replayed / recomputed tokens, the limiting form and reason, the admission, TTFT.
 * **One request** (``request_lookups``): each form's usable length as a bar against the hash hit
   and the resume point L* the request used (the shortest usable form limits it), with its
   outcome, reason and tier; the plan chosen (admission), predicted vs actual seconds, and TTFT.
+
+Times are UTC, as the agent stores them.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import altair as alt
 import pandas as pd
 import streamlit as st
 
 from dashboard.client import AgentError
-from dashboard.common import current_client, query, sidebar_filters
+from dashboard.common import Filters, current_client, query, sidebar_filters
 
 LIMIT = 500
 COLUMNS = [
@@ -24,29 +32,85 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One chart bucket, [start, end) in unix seconds, from the URL (``?start=&end=``)."""
+
+    start: float
+    end: float
+
+    def label(self) -> str:
+        return f"{utc(self.start)} – {utc(self.end)} UTC"
+
+
+def utc(unix_seconds: float) -> str:
+    return datetime.fromtimestamp(unix_seconds, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def span_from_url() -> Span | None:
+    """The bucket the URL names, or None (a malformed one is reported on the page and ignored)."""
+    raw = (st.query_params.get("start"), st.query_params.get("end"))
+    if raw == (None, None):
+        return None
+    try:
+        start, end = (float(v) for v in raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        st.warning(f"Ignored the URL's time span start={raw[0]!r}, end={raw[1]!r}: both must be unix seconds.")
+        return None
+    if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end):
+        st.warning(f"Ignored the URL's time span start={raw[0]!r}, end={raw[1]!r}: start must be before end.")
+        return None
+    return Span(start, end)
+
+
+def _clear_span() -> None:
+    for key in ("start", "end"):
+        if key in st.query_params:
+            del st.query_params[key]
+
+
 def render() -> None:
     """The page body (called by ``st.navigation``)."""
     st.title("Requests")
     client = current_client()
     filters = sidebar_filters(client)
+    span = span_from_url()
+    search = st.text_input("Search request ids", key="request_search", placeholder="part of a request id")
+    params: dict[str, object] = {
+        "limit": LIMIT, "engine_id": filters.engine, "model": filters.model,
+        "limiting_form": filters.form, "search": search or None,
+    }  # fmt: skip
+    if span is not None:
+        params.update(start_ts=span.start, end_ts=span.end)
+        st.button("Show the whole time range", key="request_clear_span", on_click=_clear_span)
+    else:
+        params["since_seconds"] = filters.since_seconds
     try:
-        recent = query(client, "recent_requests", limit=LIMIT, engine_id=filters.engine, model=filters.model)
+        recent = query(client, "recent_requests", **params)
     except AgentError as exc:
         st.error(str(exc))
         return
-    search = st.text_input("Search request ids", key="request_search", placeholder="part of a request id")
-    if search:
-        recent = recent[recent["request_id"].str.contains(search, regex=False)]
+    scope = describe(filters, span, search)
     if recent.empty:
-        st.info("No requests match." if search else "No requests stored yet.")
+        st.info(f"No requests {scope}.")
         return
-    st.caption(f"The latest {len(recent):,} requests, newest first.")
+    st.caption(f"The latest {len(recent):,} requests {scope}, newest first.")
     st.dataframe(recent[COLUMNS], hide_index=True)
     labels = {f"{r.request_id} ({r.engine_id})": (r.request_id, r.engine_id) for r in recent.itertuples()}
     chosen = st.selectbox("Request", list(labels), key="request_chosen")
     request_id, engine_id = labels[chosen]
     row = recent[(recent["request_id"] == request_id) & (recent["engine_id"] == engine_id)].iloc[0]
     detail(client, row)
+
+
+def describe(filters: Filters, span: Span | None, search: str) -> str:
+    """What the table holds, as words: ``in the last 15 minutes, limited by swa_window, ...``."""
+    parts = [f"in {span.label()}" if span is not None else f"in the last {filters.window}"]
+    if filters.form is not None:
+        parts.append(f"limited by {filters.form}")
+    if search:
+        parts.append(f"with {search!r} in the id")
+    return ", ".join(parts)
 
 
 def detail(client: object, row: pd.Series) -> None:

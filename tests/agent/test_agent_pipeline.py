@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import AgentConfig
-from agent.ingest import SeqRanges, SeqTracker, fold_cache_minute, ingest_batch, prepare_batch
+from agent.ingest import SeqRanges, SeqTracker, fold_cache_minute, fold_form_usable_minute, ingest_batch, prepare_batch
 from agent.maintenance import MaintenanceScheduler, apply_retention, export_parquet
 from agent.metrics import AgentMetrics
 from agent.migrations import bucket_column
@@ -270,12 +270,15 @@ def test_hourly_parquet_export_by_date_and_form_late_parts_and_retention(store: 
     # the unfinished current hour is never exported
     assert all(d.hour < to_timestamp(now - 60) for d in done + again)
     # retention keeps an hour at now (cutoff aligned down to the hour): the first hour goes —
-    # but its lookups only once cache_minute folded them
+    # but its lookups only once both rollups folded them, its requests once form_usable_minute did
     deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None)
-    assert deleted == {"cache_lookups": 0, "requests": 2, "engine_stats": 1, "block_events": 1, "gpu_stats": 0}
+    assert deleted == {"cache_lookups": 0, "requests": 0, "engine_stats": 1, "block_events": 1, "gpu_stats": 0}
     assert fold_cache_minute(store) == 9
     deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None)
-    assert deleted["cache_lookups"] == 5
+    assert (deleted["cache_lookups"], deleted["requests"]) == (0, 0)
+    assert fold_form_usable_minute(store) == 13  # every lookup (11) and request (2) stored so far
+    deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None)
+    assert (deleted["cache_lookups"], deleted["requests"]) == (5, 2)
     with store.cursor() as cur:
         assert cur.execute("SELECT count(*) FROM cache_lookups").fetchall() == [(4,)]
         assert cur.execute("SELECT sum(lookups) FROM cache_minute").fetchall() == [(9,)]
@@ -295,10 +298,12 @@ def test_retention_deletes_only_exported_rows(store: Store, tmp_path: Path) -> N
     now = hour + 3 * 3600
     # retention before any export: nothing exported, nothing deleted
     fold_cache_minute(store)
+    fold_form_usable_minute(store)
     assert sum(apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None).values()) == 0
     export_parquet(store, export_dir, now=now, lag_seconds=60)
     store_batch(store, 1, [lookup_event(hour + 40, "after-export", outcome="miss", reason="no_prefix_match")])
     fold_cache_minute(store)
+    fold_form_usable_minute(store)
     deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None)
     assert deleted["cache_lookups"] == 4
     with store.cursor() as cur:
@@ -309,6 +314,7 @@ def test_retention_deletes_only_exported_rows(store: Store, tmp_path: Path) -> N
     # with export disabled, retention does not wait for it
     store_batch(store, 2, known_events(hour + 50))
     fold_cache_minute(store)
+    fold_form_usable_minute(store)
     deleted = apply_retention(store, now=now, raw_retention_hours=1.0, rollup_retention_days=None, exported_only=False)
     assert deleted["requests"] == 2
 
@@ -321,6 +327,7 @@ def test_export_failure_skips_retention_and_is_counted(store: Store, tmp_path: P
     config = AgentConfig(data_dir=tmp_path, export_dir=blocker, raw_retention_hours=1.0, gpu_sample_seconds=None)
     metrics = AgentMetrics()
     jobs = MaintenanceScheduler(store, config, metrics, clock=lambda: hour + 3 * 3600)
+    jobs.rollup()  # folded: only the failed export keeps the rows
     jobs._counted("export", jobs.export_and_retain)()
     with store.cursor() as cur:
         assert cur.execute("SELECT count(*) FROM requests").fetchall() == [(2,)]  # not deleted

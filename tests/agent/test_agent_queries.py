@@ -6,9 +6,10 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 import pytest
-from agent_testdata import batch, json_body, request_event
+from agent_testdata import batch, json_body, lookup_event, request_event
 from fastapi.testclient import TestClient
 
+from agent.ingest import fold_form_usable_minute
 from agent.queries import NAMED_QUERIES
 from agent.store import Store
 
@@ -95,12 +96,50 @@ def test_hit_rate_timeseries(loaded: TestClient, base: int) -> None:
     assert rows(loaded, "hit_rate_timeseries", model="other") == []
 
 
-def test_form_usable_timeseries(loaded: TestClient, base: int) -> None:
-    assert rows(loaded, "form_usable_timeseries", engine_id="e1", model="m1") == [
+def test_form_usable_timeseries_raw_and_rolled_up_agree(loaded: TestClient, store: Store, base: int) -> None:
+    expected = [
         {"bucket": iso(base), "form": "full_kv", "usable_tokens": 3800, "prompt_tokens": 4000, "usable_rate": 0.95},
         {"bucket": iso(base), "form": "linear_state", "usable_tokens": 2400, "prompt_tokens": 3000, "usable_rate": 0.8},
         {"bucket": iso(base), "form": "swa_window", "usable_tokens": 600, "prompt_tokens": 1000, "usable_rate": 0.6},
     ]  # fmt: skip
+    # 30 s buckets: from the raw tables at once (both requests are in the minute's first 30 s)
+    assert rows(loaded, "form_usable_timeseries", engine_id="e1", model="m1", bucket_seconds=30) == expected
+    # whole minutes: from the rollup, once folded
+    assert rows(loaded, "form_usable_timeseries", engine_id="e1", model="m1") == []
+    assert fold_form_usable_minute(store) == 6  # 2 requests, 4 lookups
+    assert rows(loaded, "form_usable_timeseries", engine_id="e1", model="m1") == expected
+    assert fold_form_usable_minute(store) == 0  # nothing new: nothing counted twice
+    two_minutes = [{**r, "bucket": iso(base - base % 120)} for r in expected]
+    assert rows(loaded, "form_usable_timeseries", bucket_seconds=120) == two_minutes
+    assert rows(loaded, "form_usable_timeseries", model="other") == []
+
+    late = [
+        # a late lookup of r1 lowers its swa_window minimum (600 -> 100)
+        lookup_event(base + 1, "r1", form="swa_window", outcome="invalidated", reason="swa_evicted", hash_hit_tokens=800, usable_tokens=100, layer_group=2),
+        # r1's first linear_state lookup arrives after r1 was folded: r1 now counts for that form
+        lookup_event(base + 1, "r1", form="linear_state", hash_hit_tokens=800, usable_tokens=500),
+        # r3's lookups in this batch, its request event in the next one
+        lookup_event(base + 70, "r3", hash_hit_tokens=40, usable_tokens=40),
+        lookup_event(base + 70, "r3", hash_hit_tokens=40, usable_tokens=30, tp_rank=1),
+    ]  # fmt: skip
+    post(loaded, batch(3, late))
+    assert fold_form_usable_minute(store) == 4
+    post(loaded, batch(4, [request_event(base + 71, "r3", prompt_tokens=100, recomputed_tokens=100)]))
+    assert fold_form_usable_minute(store) == 1
+    expected = [
+        {"bucket": iso(base), "form": "full_kv", "usable_tokens": 3800, "prompt_tokens": 4000, "usable_rate": 0.95},
+        {"bucket": iso(base), "form": "linear_state", "usable_tokens": 2900, "prompt_tokens": 4000, "usable_rate": 0.725},
+        {"bucket": iso(base), "form": "swa_window", "usable_tokens": 100, "prompt_tokens": 1000, "usable_rate": 0.1},
+        {"bucket": iso(base + 60), "form": "full_kv", "usable_tokens": 30, "prompt_tokens": 100, "usable_rate": 0.3},
+    ]  # fmt: skip
+    assert rows(loaded, "form_usable_timeseries", since_seconds=7200) == expected
+    raw = rows(loaded, "form_usable_timeseries", since_seconds=7200, bucket_seconds=30)
+    assert [{**r, "bucket": iso(base + 60 * (r["bucket"] > iso(base + 59)))} for r in raw] == expected
+
+
+def post(client: TestClient, body: dict[str, object]) -> None:
+    response = client.post("/v1/events", content=json_body(body), headers=JSON)
+    assert response.status_code == 200, response.text
 
 
 def test_recent_requests_and_arrow_format(loaded: TestClient) -> None:

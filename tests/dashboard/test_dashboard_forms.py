@@ -90,6 +90,8 @@ def test_one_forms_story(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -
     tiers = at.dataframe[1].value
     assert tiers[["tier", "lookups", "share_of_lookups"]].values.tolist() == [["device", 12, 0.75], ["host", 4, 0.25]]
     assert at.metric[0].value == "66.7%"
+    (link,) = at.get("page_link")  # to the requests swa_window limited
+    assert link.proto.page == "requests" and "form=swa_window" in link.proto.query_string.split("&")
 
 
 def test_a_form_without_lookups(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:

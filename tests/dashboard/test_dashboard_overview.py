@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import calendar
 import socket
 import sys
 import time
+from urllib.parse import parse_qsl
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,6 +132,14 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
     assert chart_points(at, 0, "series", "rate") == {"recoverable": [0.5, 0.75], "raw": [0.5, 0.95]}
     # a form's usable rate over the prompt tokens of the requests that looked it up
     assert chart_points(at, 2, "form", "usable rate") == {"full_kv": [0.95], "swa_window": [0.8]}
+    # the drill from the drop: the lowest bucket (r0's, 50 %) opens the Requests page on it
+    (link,) = at.get("page_link")
+    assert link.proto.page == "requests"
+    (dataset,) = at.get("vega_lite_chart")[0].proto.datasets
+    first = pa.ipc.open_stream(dataset.data.data).read_all().column("bucket")[0].as_py()
+    start = calendar.timegm(first.timetuple())  # r0's bucket (naive UTC), the chart's first
+    assert dict(parse_qsl(link.proto.query_string)) == {"window": "15 minutes", "start": str(start), "end": str(start + 15)}
+    assert link.proto.label.endswith(" UTC, 50.0% recoverable")
 
 
 def test_overview_with_agent_down_shows_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:

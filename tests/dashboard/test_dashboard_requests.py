@@ -58,10 +58,13 @@ def agent(tmp_path: Path) -> Iterator[RunningAgent]:
         yield running
 
 
-def page(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> AppTest:
+def page(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch, **url: str) -> AppTest:
     monkeypatch.setenv("KVSCOPE_AGENT_URL", agent.url)
     monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
-    return AppTest.from_string(PAGE, default_timeout=30).run()
+    at = AppTest.from_string(PAGE, default_timeout=30)
+    for key, value in url.items():
+        at.query_params[key] = value
+    return at.run()
 
 
 def test_table_search_and_one_requests_forms_against_l_star(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,7 +105,40 @@ def test_a_request_without_lookups_and_an_empty_store(agent: RunningAgent, monke
     assert at.caption[-1].value == "No form limited the resume point."
     assert at.info[0].value == "No cache lookups were stored for this request."
     at.text_input(key="request_search").input("nothing-like-this").run()
-    assert at.info[0].value == "No requests match."
+    assert at.info[0].value == "No requests in the last 15 minutes, with 'nothing-like-this' in the id."
     with running_agent(tmp_path / "empty") as empty:
         bare = page(empty, monkeypatch)
-    assert not bare.exception and bare.info[0].value == "No requests stored yet."
+    assert not bare.exception and bare.info[0].value == "No requests in the last 15 minutes."
+
+
+def test_the_agent_filters_by_bucket_limiting_form_and_search(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opened from a drop (?start=&end=: one bucket) the table holds that bucket's requests; the
+    sidebar's form keeps the requests it limited; the search is the agent's, case-insensitive."""
+    # r-swa is at NOW - 9, r-cold at NOW - 5: a bucket [NOW - 10, NOW - 6) holds only r-swa
+    at = page(agent, monkeypatch, start=str(NOW - 10), end=str(NOW - 6))
+    assert not at.exception and not at.warning
+    assert at.dataframe[0].value["request_id"].tolist() == ["r-swa"]
+    assert at.caption[0].value.startswith("The latest 1 requests in ") and at.caption[0].value.endswith(" UTC, newest first.")
+    at.button(key="request_clear_span").click().run()  # back to the sidebar's time range
+    assert at.dataframe[0].value["request_id"].tolist() == ["r-cold", "r-swa"]
+    assert "start" not in at.query_params
+    at.sidebar.selectbox(key="form").set_value("swa_window").run()
+    assert at.dataframe[0].value["request_id"].tolist() == ["r-swa"]
+    assert at.caption[0].value == "The latest 1 requests in the last 15 minutes, limited by swa_window, newest first."
+    at.sidebar.selectbox(key="form").set_value("linear_state").run()
+    assert at.info[0].value == "No requests in the last 15 minutes, limited by linear_state."
+    at.sidebar.selectbox(key="form").set_value("(all)").run()
+    at.text_input(key="request_search").input("R-CO").run()
+    assert at.dataframe[0].value["request_id"].tolist() == ["r-cold"]
+    # the agent did the filtering: the same call straight to it
+    rows = httpx.get(f"{agent.url}/v1/query/recent_requests", params={"search": "R-SW", "limiting_form": "swa_window"}, timeout=10).json()["rows"]
+    assert len(rows) == 1
+
+
+def test_a_malformed_span_in_the_url_is_reported_and_ignored(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = page(agent, monkeypatch, start="yesterday", end="1")
+    assert not at.exception
+    assert "Ignored the URL's time span" in at.warning[0].value and "unix seconds" in at.warning[0].value
+    assert at.dataframe[0].value["request_id"].tolist() == ["r-cold", "r-swa"]
+    at = page(agent, monkeypatch, start=str(NOW), end=str(NOW - 60))
+    assert "start must be before end" in at.warning[0].value
