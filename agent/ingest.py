@@ -96,6 +96,11 @@ def _arrow_type(name: str, hint: object) -> pa.DataType:
         metas = tuple(rest)
     if base is bool:
         return pa.bool_()
+    nullable = typing.get_args(base) if typing.get_origin(base) in (typing.Union, types.UnionType) else ()
+    if len(nullable) == 2 and type(None) in nullable:  # ``Annotated[int, ...] | None``: the column is nullable
+        inner = next(o for o in nullable if o is not type(None))
+        if typing.get_origin(inner) is typing.Annotated or inner in (int, float, bool):
+            return _arrow_type(name, inner)
     if base is int:
         small = any(getattr(m, "le", None) == 2**31 - 1 for m in metas)
         return pa.int32() if small else pa.int64()

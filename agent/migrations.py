@@ -288,6 +288,14 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        version=7,
+        name="cache_lookups: the ghost resume point and the memory it needed (the Capacity what-if)",
+        statements=(
+            "ALTER TABLE cache_lookups ADD COLUMN ghost_tokens BIGINT DEFAULT 0",
+            "ALTER TABLE cache_lookups ADD COLUMN ghost_bytes BIGINT",
+        ),
+    ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""
 

@@ -578,6 +578,78 @@ CAPACITY_LATEST = NamedQuery(
     columns=("form", "tier", "used_bytes", "used_blocks", "cached_blocks", "free_blocks", "total_blocks", "engines"),
 )
 
+_WHATIF_FORMS = ("full_kv", "swa_window", "compressed_kv", "uncompressed_tail", "indexer_state", "linear_state")
+_EXTRA = tuple(
+    QueryParam(name=f"extra_mib_{f}", kind=float, default=0.0, minimum=0, maximum=1e9, description=f"more device memory for {f}, MiB")
+    for f in _WHATIF_FORMS
+)
+_EXTRA_BYTES = "1048576 * CASE l.form " + " ".join(f"WHEN '{f}' THEN $extra_mib_{f}::DOUBLE" for f in _WHATIF_FORMS) + " ELSE 0 END"
+
+CAPACITY_WHATIF = NamedQuery(
+    name="capacity_whatif",
+    description=(
+        "The recorded requests of the window replayed against more device memory per form: each "
+        "lookup that lost tokens to evictions resumes at its ghost point when its ghost memory "
+        "fits the form's extra MiB, a request's resume point is the minimum over its forms, and "
+        "the rates are Σ resume tokens / Σ prompt tokens. replay_rate is the same with no extra "
+        "memory (how close the model comes to recorded_rate, what the engine did)."
+    ),
+    sql=f"""
+    WITH per_form AS (
+        SELECT r.engine_id, r.request_id, r.prompt_tokens, r.recoverable_tokens AS recorded, l.form,
+               min(l.usable_tokens) AS usable,
+               min(CASE WHEN l.ghost_bytes IS NOT NULL AND l.ghost_bytes <= {_EXTRA_BYTES}
+                        THEN l.ghost_tokens ELSE l.usable_tokens END) AS usable_if
+        FROM requests AS r
+        JOIN cache_lookups AS l USING (engine_id, request_id)
+        WHERE r.ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="r.")}
+          AND l.ts >= $now - to_seconds($since_seconds::BIGINT) - {LOOKUP_SLACK}
+          AND l.ts >= r.ts - {LOOKUP_SLACK}
+        GROUP BY ALL
+    ), per_request AS (
+        SELECT prompt_tokens, recorded, min(usable) AS replay, min(usable_if) AS what_if
+        FROM per_form
+        GROUP BY engine_id, request_id, prompt_tokens, recorded
+    )
+    SELECT count(*) AS requests, coalesce(sum(prompt_tokens), 0)::BIGINT AS prompt_tokens,
+           coalesce(sum(recorded), 0)::BIGINT AS recorded_tokens, coalesce(sum(replay), 0)::BIGINT AS replay_tokens,
+           coalesce(sum(what_if), 0)::BIGINT AS what_if_tokens,
+           sum(recorded)::DOUBLE / nullif(sum(prompt_tokens), 0) AS recorded_rate,
+           sum(replay)::DOUBLE / nullif(sum(prompt_tokens), 0) AS replay_rate,
+           sum(what_if)::DOUBLE / nullif(sum(prompt_tokens), 0) AS what_if_rate
+    FROM per_request
+    """,
+    params=(_SINCE, _engine(), _MODEL, *_EXTRA),
+    columns=(
+        "requests", "prompt_tokens", "recorded_tokens", "replay_tokens", "what_if_tokens",
+        "recorded_rate", "replay_rate", "what_if_rate",
+    ),
+)  # fmt: skip
+
+FORM_GHOSTS = NamedQuery(
+    name="form_ghosts",
+    description=(
+        "Per form over the window: lookups that lost tokens (invalidated), how many of those more "
+        "device memory would have saved (a ghost point), the memory that took (MiB: median, 90th "
+        "percentile, largest) and the tokens it would have added."
+    ),
+    sql=f"""
+    SELECT form,
+           count(*) FILTER (WHERE outcome = 'invalidated') AS lost_lookups,
+           count(ghost_bytes) AS saved_by_memory,
+           quantile_cont(ghost_bytes, 0.5) / 1048576 AS ghost_mib_p50,
+           quantile_cont(ghost_bytes, 0.9) / 1048576 AS ghost_mib_p90,
+           max(ghost_bytes) / 1048576 AS ghost_mib_max,
+           coalesce(sum(ghost_tokens - usable_tokens) FILTER (WHERE ghost_bytes IS NOT NULL), 0)::BIGINT AS ghost_gain_tokens
+    FROM cache_lookups
+    WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+    GROUP BY form
+    ORDER BY form
+    """,
+    params=(_SINCE, _engine(), _MODEL),
+    columns=("form", "lost_lookups", "saved_by_memory", "ghost_mib_p50", "ghost_mib_p90", "ghost_mib_max", "ghost_gain_tokens"),
+)
+
 GPU_TIMESERIES = NamedQuery(
     name="gpu_timeseries",
     description="Per time bucket and GPU, from the agent's NVML sampler: memory used and total, utilisation.",
@@ -669,6 +741,8 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             LIMITING_FORMS,
             CAPACITY_TIMESERIES,
             CAPACITY_LATEST,
+            CAPACITY_WHATIF,
+            FORM_GHOSTS,
             GPU_TIMESERIES,
             INGEST_HEALTH,
         )

@@ -5,7 +5,13 @@
   (``capacity_latest``: each engine's latest snapshot, summed) — used, cached (reusable) and
   total blocks, and how full each pool is;
 * GPU memory and utilisation over time (``gpu_timeseries``, the agent's NVML sampler); without a
-  GPU the page says so.
+  GPU the page says so;
+* a what-if: more device memory per form (MiB) → the recoverable hit rate the window's recorded
+  requests would have had (``capacity_whatif``), beside what was recorded; and per form, how many
+  of its losses more memory would have saved and how much it took (``form_ghosts``). It reads the
+  ghost resume points the engine records for every lookup that lost tokens to evictions (from its
+  pools' eviction history: LRU stack distances beyond each pool), so it models more memory, not
+  less.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.client import AgentError
-from dashboard.common import current_client, query, sidebar_filters
+from dashboard.common import FORMS, Filters, current_client, query, sidebar_filters
 
 MiB = 1024 * 1024
 
@@ -37,6 +43,7 @@ def render() -> None:
         now = now[now["form"] == filters.form]
     pools_panel(pools, now)
     gpu_panel(gpus)
+    whatif_panel(client, filters)
 
 
 def latest(now: pd.DataFrame) -> pd.DataFrame:
@@ -85,3 +92,55 @@ def gpu_panel(gpus: pd.DataFrame) -> None:
         ),
         width="stretch",
     )
+
+
+def whatif_panel(client: object, filters: Filters) -> None:
+    st.subheader("What if a form had more memory")
+    try:
+        ghosts = query(client, "form_ghosts", since_seconds=filters.since_seconds, engine_id=filters.engine, model=filters.model)  # type: ignore[arg-type]
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    if ghosts.empty:
+        st.info("No cache lookups in this window yet: nothing to replay.")
+        return
+    st.caption(
+        "Extra device memory per form, in MiB; the window's recorded requests are replayed against it. "
+        "A lookup that lost tokens to evictions resumes where it would have with enough memory; "
+        "a request resumes at the minimum over its forms."
+    )
+    columns = st.columns(3)
+    extra = {f: columns[i % 3].number_input(f, min_value=0.0, value=0.0, step=16.0, key=f"whatif_{f}") for i, f in enumerate(FORMS)}
+    try:
+        rows = query(
+            client,  # type: ignore[arg-type]
+            "capacity_whatif",
+            since_seconds=filters.since_seconds, engine_id=filters.engine, model=filters.model,
+            **{f"extra_mib_{f}": mib for f, mib in extra.items() if mib > 0},
+        )  # fmt: skip
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    row = rows.iloc[0]
+    if not row["requests"]:
+        st.info("No requests in this window yet: nothing to replay.")
+        return
+    metrics = st.columns(3)
+    metrics[0].metric("Recorded recoverable hit rate", _pct(row["recorded_rate"]))
+    metrics[1].metric(
+        "With the extra memory", _pct(row["what_if_rate"]),
+        delta=f"{(row['what_if_rate'] - row['replay_rate']) * 100:+.1f} pp" if pd.notna(row["what_if_rate"]) else None,
+    )  # fmt: skip
+    metrics[2].metric("Model with no extra memory", _pct(row["replay_rate"]), help="how close the replay comes to what the engine did")
+    st.caption(f"{int(row['requests']):,} requests, {int(row['prompt_tokens']):,} prompt tokens.")
+    table = ghosts.copy()
+    table["saved_share"] = table["saved_by_memory"] / table["lost_lookups"].where(table["lost_lookups"] > 0)
+    st.dataframe(
+        table[["form", "lost_lookups", "saved_by_memory", "saved_share", "ghost_mib_p50", "ghost_mib_p90", "ghost_mib_max", "ghost_gain_tokens"]],
+        hide_index=True,
+        column_config={"saved_share": st.column_config.ProgressColumn("saved by memory", min_value=0.0, max_value=1.0)},
+    )
+
+
+def _pct(ratio: object) -> str:
+    return "n/a" if ratio is None or pd.isna(ratio) else f"{float(ratio):.1%}"  # type: ignore[arg-type]

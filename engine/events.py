@@ -152,6 +152,11 @@ class CacheLookup(_Event, tag="cache_lookup", kw_only=True):
     layer_group: SmallInt = 0
     tp_rank: SmallInt = 0
     epoch: NonNegInt = 0
+    ghost_tokens: Tokens = 0
+    """When the form lost tokens to evictions: the resume point it would have had with
+    ``ghost_bytes`` more device memory for it (0: none). The Capacity what-if reads these."""
+    ghost_bytes: Bytes | None = None
+    """That extra memory (None: more memory would not have helped, or not known)."""
 
 
 class RequestEvent(_Event, tag="request", kw_only=True):
@@ -288,6 +293,10 @@ def check_batch(batch: EventBatch) -> None:
                 raise EventError(f"{at}.usable_tokens", "exceeds hash_hit_tokens")
             if ev.recoverable_tokens > ev.usable_tokens:
                 raise EventError(f"{at}.recoverable_tokens", "exceeds usable_tokens")
+            if ev.ghost_tokens > ev.hash_hit_tokens:
+                raise EventError(f"{at}.ghost_tokens", "exceeds hash_hit_tokens")
+            if (ev.ghost_bytes is None) != (ev.ghost_tokens == 0):
+                raise EventError(f"{at}.ghost_bytes", "ghost_bytes and a non-zero ghost_tokens go together")
         elif isinstance(ev, RequestEvent):
             total = ev.recoverable_tokens + ev.replayed_tokens + ev.recomputed_tokens
             if total != ev.prompt_tokens:

@@ -394,6 +394,8 @@ class LLM:
                     recovery_seconds=f.recovery_seconds,
                     bytes_moved=f.bytes_moved,
                     epoch=epochs.get(f.form, 0),
+                    ghost_tokens=f.ghost_tokens,
+                    ghost_bytes=f.ghost_bytes,
                 )
             )
         self.sink.emit(

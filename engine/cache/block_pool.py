@@ -121,7 +121,7 @@ class BlockPool:
         self.tier_view = False
         """When True, :meth:`present` also counts objects held by the lower tiers (the cache
         sets it while it plans a resume that would swap them in)."""
-        self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
+        self._evicted: OrderedDict[BlockHash, int] = OrderedDict()  # hash → its priority when evicted, oldest first
         self._evicted_memory = EVICTED_MEMORY_FACTOR * num_blocks
         self.max_cached: int | None = None
         """Most evictable (``CACHED``) blocks kept; beyond it a released block evicts the least
@@ -157,6 +157,21 @@ class BlockPool:
     def cached_blocks(self) -> Mapping[BlockHash, int]:
         """The hash → block map of published blocks (read-only view for fast scans)."""
         return self._cached
+
+    def ghost_depths(self) -> dict[BlockHash, int]:
+        """For every hash evicted recently and not stored again since: how many more cached blocks
+        this pool would have needed to still hold it. That is its place among the remembered
+        evictions, newest first, counting only those of its priority or higher (a larger pool
+        still evicts lower-priority blocks before it) — the LRU stack distance beyond the pool's
+        size read off a ghost list (ARC's ghost entries, Megiddo and Modha, FAST 2003; stack
+        distances, Mattson et al., IBM Systems Journal 1970): exact for one LRU queue, an estimate
+        under eviction groups. O(remembered evictions); meant for lookups that lost tokens."""
+        newer: dict[int, int] = {}  # priority → remembered evictions newer than the current one
+        depths: dict[BlockHash, int] = {}
+        for h, priority in reversed(self._evicted.items()):
+            depths[h] = 1 + sum(n for p, n in newer.items() if p >= priority)
+            newer[priority] = newer.get(priority, 0) + 1
+        return depths
 
     def was_evicted(self, h: BlockHash) -> bool:
         """Whether a block cached under ``h`` was evicted recently (and not stored again since).
@@ -417,7 +432,7 @@ class BlockPool:
                 self._evictable[self._priority[other]].move_to_end(other, last=False)
         h = self._unpublish(block)
         self.evictions += 1
-        self._evicted[h] = None
+        self._evicted[h] = self._priority[block]
         if len(self._evicted) > self._evicted_memory:
             self._evicted.popitem(last=False)
         self._on_evict(h)

@@ -53,6 +53,12 @@ class FormLookup:
     """Bytes swapped in for this form."""
     recovery_seconds: float = 0.0
     """Wall seconds of the swap-in that recovered this form."""
+    ghost_tokens: int = 0
+    """When the form lost tokens to evictions: the resume point it would have had with
+    ``ghost_bytes`` more device memory (its pools' eviction history; 0: no such point)."""
+    ghost_bytes: int | None = None
+    """The extra device memory for ``ghost_tokens`` (None: more memory would not have helped, or
+    the loss is older than the pools remember)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

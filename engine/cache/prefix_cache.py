@@ -221,6 +221,7 @@ class PrefixCache:
         forms: list[CacheForm] = list(self.kv_forms)
         forms += [f for f in (self.compressed, self.tail, self.indexer, self.linear) if f is not None]
         self.forms: tuple[CacheForm, ...] = tuple(forms)
+        self._bytes_per_block: dict[int, int] | None = None  # id(pool) → bytes per block, for ghosts
         self.stored_revision = layout.revision
         """The weights every stored object was computed with (a stamp of the writer)."""
         self.stored_kernel_abi = KERNEL_ABI
@@ -494,7 +495,52 @@ class PrefixCache:
         failure = check_granularity(plan.resume_tokens, self.unit_tokens)
         if failure is not None:
             raise RuntimeError(f"resume point {plan.resume_tokens} fails validation: {failure}")
+        if hit:
+            plan = self._with_ghosts(plan, hashes, min(hit, resume_limit(prompt_tokens, self.unit_tokens)), reasons)
         return plan
+
+    GHOST_CANDIDATES = 64
+    """Resume points (every U tokens down from the target) a form's ghost search tries at most."""
+
+    def _with_ghosts(self, plan: ResumePlan, hashes: Sequence[BlockHash], target: int, vetoed: Mapping[Form, Reason]) -> ResumePlan:
+        """Each form that lost tokens gets the resume point it would have had with more device
+        memory and how much more (``FormLookup.ghost_tokens`` / ``ghost_bytes``): the highest
+        point ≤ ``target`` whose every needed object is cached or was evicted recently, costing,
+        per pool, the deepest such eviction (:meth:`BlockPool.ghost_depths`) times the pool's
+        bytes per block. A vetoed form (a validation failure) gets none: memory would not help."""
+        if self._bytes_per_block is None:
+            self._bytes_per_block = {id(pool): size for _, pool, _, size, _ in self.pool_entries()}
+        by_form = {f.form: f for f in self.forms}
+        depths: dict[int, dict[BlockHash, int]] = {}  # id(pool) → its ghost depths, read once per lookup
+        forms = []
+        for lookup in plan.forms:
+            form = by_form[lookup.form]
+            if lookup.usable_tokens >= target or lookup.form in vetoed:
+                forms.append(lookup)
+                continue
+            ghost = self._ghost(form, hashes, target, lookup.usable_tokens, depths)
+            forms.append(lookup if ghost is None else dataclasses.replace(lookup, ghost_tokens=ghost[0], ghost_bytes=ghost[1]))
+        return dataclasses.replace(plan, forms=tuple(forms))
+
+    def _ghost(
+        self, form: CacheForm, hashes: Sequence[BlockHash], target: int, usable: int, depths: dict[int, dict[BlockHash, int]]
+    ) -> tuple[int, int] | None:
+        u = self.unit_tokens
+        assert self._bytes_per_block is not None
+        for cand in range(target, usable, -u)[: self.GHOST_CANDIDATES]:
+            deepest: dict[int, int] = {}
+            for pool, h in form.needed_keys(hashes, cand):
+                if pool.present(h):
+                    continue
+                if id(pool) not in depths:
+                    depths[id(pool)] = pool.ghost_depths()
+                depth = depths[id(pool)].get(h)
+                if depth is None:
+                    break
+                deepest[id(pool)] = max(deepest.get(id(pool), 0), depth)
+            else:
+                return cand, sum(n * self._bytes_per_block[pool] for pool, n in deepest.items())
+        return None
 
     def _tail_replay(
         self, exact: ResumePlan, forms: Sequence[ResumableForm], hashes: Sequence[BlockHash], total_tokens: int, hit: int

@@ -161,6 +161,18 @@ MALFORMED: list[tuple[str, Any, str, str]] = [
         "Invalid enum value 'on_disk_prefix'",
     ),
     (
+        "ghost memory without a ghost resume point",
+        lambda b: json_body(batch(2, _with(known_events(b), 1, ghost_bytes=4096))),
+        "$.events[1].ghost_bytes",
+        "ghost_bytes and a non-zero ghost_tokens go together",
+    ),
+    (
+        "ghost resume point past the hash hit",
+        lambda b: json_body(batch(2, _with(known_events(b), 1, ghost_tokens=801, ghost_bytes=4096))),
+        "$.events[1].ghost_tokens",
+        "exceeds hash_hit_tokens",
+    ),
+    (
         "engine_id mismatch",
         lambda b: json_body(batch(2, _with(known_events(b), 3, engine_id="e9"))),
         "$.events[3].engine_id",

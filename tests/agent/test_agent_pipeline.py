@@ -19,7 +19,14 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import AgentConfig
-from agent.ingest import SeqRanges, SeqTracker, fold_cache_minute, fold_form_usable_minute, ingest_batch, prepare_batch
+from agent.ingest import (
+    SeqRanges,
+    SeqTracker,
+    fold_cache_minute,
+    fold_form_usable_minute,
+    ingest_batch,
+    prepare_batch,
+)
 from agent.maintenance import MaintenanceScheduler, apply_retention, export_parquet
 from agent.metrics import AgentMetrics
 from agent.migrations import bucket_column

@@ -1,5 +1,6 @@
 """The Capacity page (issue 8, item 6) against a real agent: the pools' latest values and their
-series from two engines' stats, GPU memory and utilisation from gpu_stats rows; no GPU said so."""
+series from two engines' stats, GPU memory and utilisation from gpu_stats rows; no GPU said so;
+the what-if over recorded lookups with ghost resume points."""
 
 from __future__ import annotations
 
@@ -74,11 +75,60 @@ def test_gpus(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
             )
     at = page(agent, monkeypatch, window="5 minutes")
     assert not at.exception and not at.error
-    assert [s.value for s in at.subheader] == ["Pools per form and tier", "GPUs"]
+    assert [s.value for s in at.subheader] == ["Pools per form and tier", "GPUs", "What if a form had more memory"]
     charts = at.get("vega_lite_chart")
     assert len(charts) == 4  # two pool charts, GPU memory and utilisation
     (memory,) = [pa.ipc.open_stream(d.data.data).read_all().to_pydict() for d in charts[2].proto.datasets]
     assert memory["memory_used_GiB"] == [40.0, 60.0] and memory["gpu"] == ["0 NVIDIA H200"] * 2
     (utilisation,) = [pa.ipc.open_stream(d.data.data).read_all().to_pydict() for d in charts[3].proto.datasets]
     assert utilisation["utilization_ratio"] == [0.5, 0.7]
-    assert not at.info
+    assert [i.value for i in at.info] == ["No cache lookups in this window yet: nothing to replay."]
+
+
+def request(rid: str, resume: int) -> dict[str, object]:
+    return {
+        "kind": "request", "ts": NOW - 5, "engine_id": "e1", "request_id": rid, "model": "m1", "prompt_tokens": 1000,
+        "output_tokens": 1, "hash_hit_tokens": 1000, "resume_tokens": resume, "recoverable_tokens": resume, "replayed_tokens": 0,
+        "recomputed_tokens": 1000 - resume, "admission": "exact", "ttft_seconds": 0.1, "e2e_seconds": 0.2,
+    }  # fmt: skip
+
+
+def lookup(rid: str, form: str, usable: int, ghost_tokens: int = 0, ghost_mib: float | None = None) -> dict[str, object]:
+    lost = ghost_mib is not None
+    return {
+        "kind": "cache_lookup", "ts": NOW - 6, "engine_id": "e1", "request_id": rid, "model": "m1", "form": form, "tier": "device",
+        "outcome": "invalidated" if lost else "hit", "reason": "swa_evicted" if lost else "none", "hash_hit_tokens": 1000,
+        "usable_tokens": usable, "recoverable_tokens": usable, "ghost_tokens": ghost_tokens,
+        "ghost_bytes": int(ghost_mib * MiB) if lost else None,
+    }  # fmt: skip
+
+
+def test_what_if_more_memory(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """r1 resumed at 200 (its window evicted; 4 MiB more would have let it resume at 800), r2 at 0
+    (12 MiB more: 600). Recorded 200 of 2000 prompt tokens; +4 MiB: 800; +16 MiB: 1400."""
+    events = [
+        lookup("r1", "full_kv", 800), lookup("r1", "swa_window", 200, 800, 4.0), request("r1", 200),
+        lookup("r2", "full_kv", 600), lookup("r2", "swa_window", 0, 600, 12.0), request("r2", 0),
+    ]  # fmt: skip
+    body = {"schema_version": 1, "engine_id": "e1", "seq": 5, "sent_at": NOW, "events": events}
+    assert httpx.post(f"{agent.url}/v1/events", json=body, timeout=10).json()["status"] == "stored"
+    at = page(agent, monkeypatch)
+    assert not at.exception and not at.error, [e.value for e in at.error]
+
+    def figures() -> dict[str, tuple[str, str | None]]:
+        return {m.label: (m.value, m.delta or None) for m in at.metric}
+
+    assert figures() == {
+        "Recorded recoverable hit rate": ("10.0%", None),
+        "With the extra memory": ("10.0%", "+0.0 pp"),
+        "Model with no extra memory": ("10.0%", None),
+    }
+    ghosts = at.dataframe[1].value.set_index("form")
+    assert ghosts.loc["swa_window", ["lost_lookups", "saved_by_memory", "ghost_mib_max", "ghost_gain_tokens"]].tolist() == [2, 2, 12.0, 1200]
+    assert ghosts.loc["swa_window", "ghost_mib_p50"] == 8.0 and ghosts.loc["full_kv", "lost_lookups"] == 0
+    at.number_input(key="whatif_swa_window").set_value(4.0).run()
+    assert figures()["With the extra memory"] == ("40.0%", "+30.0 pp")
+    at.number_input(key="whatif_swa_window").set_value(16.0).run()
+    assert figures()["With the extra memory"] == ("70.0%", "+60.0 pp")
+    at.number_input(key="whatif_full_kv").set_value(64.0).run()  # full_kv lost nothing: no change
+    assert figures()["With the extra memory"] == ("70.0%", "+60.0 pp")

@@ -6,9 +6,9 @@ import calendar
 import socket
 import sys
 import time
-from urllib.parse import parse_qsl
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 import httpx
 import msgspec

@@ -278,3 +278,44 @@ def test_limit_cached_evicts_the_excess_in_victim_order_and_lifts() -> None:
     with pytest.raises(ValueError):
         pool.limit_cached(-1)
     pool.check_invariants()
+
+
+def _store(pool: BlockPool, h: bytes, priority: int = 0) -> int:
+    """Allocate a block (evicting if needed), publish it under ``h`` and release it."""
+    block = pool.allocate()
+    pool.publish(block, h)
+    pool.release(block, priority=priority)
+    return block
+
+
+def test_ghost_depths_are_lru_stack_distances_beyond_the_pool() -> None:
+    """Pool of 3 usable blocks. Stored A..F in order: A, B, C are evicted (oldest first). A pool
+    one block larger would have kept C, two larger B, three larger A: the depths 1, 2, 3."""
+    pool, _ = make_pool(4)
+    for h in (b"A", b"B", b"C", b"D", b"E", b"F"):
+        _store(pool, h)
+    assert pool.ghost_depths() == {b"C": 1, b"B": 2, b"A": 3}
+    # B stored again (it evicts D): a larger pool would have kept B above A instead of evicting
+    # it, so A's depth counts only what is still gone: D (newest), C, A
+    _store(pool, b"B")
+    assert pool.ghost_depths() == {b"D": 1, b"C": 2, b"A": 3}
+    assert pool.was_evicted(b"A") and not pool.was_evicted(b"B")
+    pool.check_invariants()
+
+
+def test_ghost_depths_skip_lower_priority_evictions() -> None:
+    """A high-priority block (say a checkpoint's window tail) evicted before a run of low-priority
+    ones: a pool one block larger keeps it, since it would still evict the low-priority blocks
+    first. Pool of 2 usable blocks: H and K (priority 1), then a, b, c (priority 0)."""
+    pool, _ = make_pool(3)
+    _store(pool, b"H", priority=1)
+    _store(pool, b"K", priority=1)
+    _store(pool, b"a")  # no priority-0 block cached yet: H, the older priority-1 block, goes
+    _store(pool, b"b")  # a goes
+    _store(pool, b"c")  # b goes
+    assert pool.ghost_depths() == {b"b": 1, b"a": 2, b"H": 1}
+    # the check: a pool of 3 usable blocks under the same stores keeps H
+    larger, _ = make_pool(4)
+    for h, priority in ((b"H", 1), (b"K", 1), (b"a", 0), (b"b", 0), (b"c", 0)):
+        _store(larger, h, priority)
+    assert larger.present(b"H") and not larger.present(b"b")
