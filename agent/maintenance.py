@@ -17,7 +17,7 @@ Jobs (each ``max_instances=1``, ``coalesce=True``; a failure is logged and count
 * ``gpu`` every ``gpu_sample_seconds`` when NVML found a GPU (:class:`agent.gpu.GpuSampler`).
 
 Parquet layout (Hive partitioning, readable with DuckDB's
-``read_parquet('<dir>/cache_lookups/**/*.parquet', hive_partitioning = true)``)::
+``read_parquet('<dir>/cache_lookups/**/*.parquet', hive_partitioning = true, union_by_name = true)``)::
 
     <export_dir>/<table>/date=YYYY-MM-DD/form=<form>/<table>-YYYYMMDDTHH-<part>.parquet   (tables with a form)
     <export_dir>/<table>/date=YYYY-MM-DD/<table>-YYYYMMDDTHH-<part>.parquet               (requests, gpu_stats)

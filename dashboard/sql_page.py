@@ -38,6 +38,10 @@ FROM cache_lookups WHERE outcome IN ('recovered', 'replayed')
 GROUP BY ALL ORDER BY p95_seconds DESC""",
     "Alert history": """SELECT ts, alert, state, event, receiver, value, summary
 FROM alerts ORDER BY ts DESC LIMIT 100""",
+    "Losses more memory would have saved (MiB needed)": """SELECT form, reason, count(*) AS lost_lookups, count(ghost_bytes) AS saved_by_memory,
+       quantile_cont(ghost_bytes, 0.9) / 2^20 AS mib_for_90_percent
+FROM cache_lookups WHERE outcome = 'invalidated'
+GROUP BY ALL ORDER BY lost_lookups DESC""",
 }
 EDITOR_KEY = "sql_text"
 RESULT_KEY = "sql_result"
