@@ -21,7 +21,15 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.client import AgentError
-from dashboard.common import FORMS, Filters, current_client, query, sidebar_filters
+from dashboard.common import (
+    FORMS,
+    Filters,
+    current_client,
+    query,
+    sidebar_filters,
+    time_tooltip,
+    time_x,
+)
 
 MiB = 1024 * 1024
 
@@ -63,13 +71,13 @@ def pools_panel(pools: pd.DataFrame, now: pd.DataFrame) -> None:
     series = pools.assign(pool=pools["form"] + "/" + pools["tier"], used_MiB=pools["used_bytes"] / MiB)
     st.altair_chart(
         alt.Chart(series).mark_line(point=True).encode(
-            x=alt.X("bucket:T", title=None), y=alt.Y("used_MiB:Q", title="MiB used"), color="pool:N", tooltip=["bucket:T", "pool:N", "used_MiB:Q"]
+            x=time_x(), y=alt.Y("used_MiB:Q", title="MiB used"), color="pool:N", tooltip=[time_tooltip(), "pool:N", "used_MiB:Q"]
         ),
         width="stretch",
     )
     st.altair_chart(
         alt.Chart(series).mark_line(point=True).encode(
-            x=alt.X("bucket:T", title=None), y=alt.Y("cached_blocks:Q", title="blocks cached (reusable)"), color="pool:N"
+            x=time_x(), y=alt.Y("cached_blocks:Q", title="blocks cached (reusable)"), color="pool:N"
         ),
         width="stretch",
     )
@@ -83,12 +91,12 @@ def gpu_panel(gpus: pd.DataFrame) -> None:
     gpus = gpus.assign(gpu=gpus["gpu_index"].astype(str) + " " + gpus["name"], memory_used_GiB=gpus["memory_used_bytes"] / 1024**3)
     columns = st.columns(2)
     columns[0].altair_chart(
-        alt.Chart(gpus).mark_line(point=True).encode(x=alt.X("bucket:T", title=None), y=alt.Y("memory_used_GiB:Q", title="GiB used"), color="gpu:N"),
+        alt.Chart(gpus).mark_line(point=True).encode(x=time_x(), y=alt.Y("memory_used_GiB:Q", title="GiB used"), color="gpu:N"),
         width="stretch",
     )
     columns[1].altair_chart(
         alt.Chart(gpus.dropna(subset=["utilization_ratio"])).mark_line(point=True).encode(
-            x=alt.X("bucket:T", title=None), y=alt.Y("utilization_ratio:Q", title="utilisation", axis=alt.Axis(format="%")), color="gpu:N"
+            x=time_x(), y=alt.Y("utilization_ratio:Q", title="utilisation", axis=alt.Axis(format="%")), color="gpu:N"
         ),
         width="stretch",
     )

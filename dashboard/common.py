@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+import altair as alt
 import pandas as pd
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
@@ -160,3 +161,20 @@ def requests_link(filters: Filters, label: str, *, start: float | None = None, e
 def unix_seconds(bucket: pd.Timestamp) -> float:
     """A bucket label from the agent (naive UTC) as unix seconds."""
     return float((bucket - pd.Timestamp(0)).total_seconds())
+
+
+def time_x(field: str = "bucket") -> alt.X:
+    """The time axis of every chart: UTC, as the agent stores and the tables show (Vega-Lite
+    would otherwise draw the browser's local time)."""
+    return alt.X(f"{field}:T", title="UTC", scale=alt.Scale(type="utc"))
+
+
+def time_tooltip(field: str = "bucket") -> alt.Tooltip:
+    return alt.Tooltip(f"{field}:T", title="UTC", format="%Y-%m-%d %H:%M:%S", formatType="utc")
+
+
+def stacked_bars(wide: pd.DataFrame, series: str, value: str) -> alt.Chart:
+    """Bars per time bucket (the index of ``wide``), one stacked segment per column."""
+    x = wide.index.name or "index"
+    long = wide.reset_index().melt(id_vars=x, var_name=series, value_name=value)
+    return alt.Chart(long).mark_bar().encode(x=time_x(x), y=alt.Y(f"{value}:Q", stack=True), color=f"{series}:N", tooltip=[time_tooltip(x), f"{series}:N", f"{value}:Q"])

@@ -21,7 +21,16 @@ from agent.ingest import RECOVERING_OUTCOMES, RECOVERY_BUCKETS
 from agent.migrations import bucket_column
 from alerts.rule_eval import histogram_quantile
 from dashboard.client import AgentError
-from dashboard.common import FORMS, current_client, query, requests_link, sidebar_filters
+from dashboard.common import (
+    FORMS,
+    current_client,
+    query,
+    requests_link,
+    sidebar_filters,
+    stacked_bars,
+    time_tooltip,
+    time_x,
+)
 
 LE_COLUMNS = [bucket_column(b) for b in RECOVERY_BUCKETS]
 QUANTILES = (0.5, 0.95, 0.99)
@@ -56,7 +65,7 @@ def render() -> None:
 def outcomes_panel(rows: pd.DataFrame) -> None:
     st.subheader("Outcomes over time")
     wide = rows.groupby(["bucket", "outcome"])["lookups"].sum().unstack(fill_value=0)
-    st.bar_chart(wide)
+    st.altair_chart(stacked_bars(wide, "outcome", "lookups"), width="stretch")
 
 
 NOT_REUSED = ("invalidated",)
@@ -130,7 +139,7 @@ def latency_panel(rows: pd.DataFrame) -> None:
         return
     long = quantiles.melt(id_vars=["bucket"], value_vars=["p50", "p95", "p99"], var_name="quantile", value_name="seconds")
     st.altair_chart(
-        alt.Chart(long).mark_line(point=True).encode(x=alt.X("bucket:T", title=None), y="seconds:Q", color="quantile:N"),
+        alt.Chart(long).mark_line(point=True).encode(x=time_x(), y="seconds:Q", color="quantile:N"),
         width="stretch",
     )
     bands = [f"≤ {b:g} s" for b in RECOVERY_BUCKETS] + [f"> {RECOVERY_BUCKETS[-1]:g} s"]
@@ -138,10 +147,10 @@ def latency_panel(rows: pd.DataFrame) -> None:
         alt.Chart(latency_heatmap(rows))
         .mark_rect()
         .encode(
-            x=alt.X("bucket:T", title=None),
+            x=time_x(),
             y=alt.Y("band:O", sort=bands[::-1], title="recovery latency"),
             color=alt.Color("recoveries:Q"),
-            tooltip=["bucket:T", "band:O", "recoveries:Q"],
+            tooltip=[time_tooltip(), "band:O", "recoveries:Q"],
         ),
         width="stretch",
     )
@@ -165,6 +174,6 @@ def limiting_panel(limiting: pd.DataFrame, form: str) -> None:
     overall = float(mine.sum() / totals.sum())
     st.metric("Share of requests it limited", f"{overall:.1%}")
     st.altair_chart(
-        alt.Chart(share).mark_line(point=True).encode(x=alt.X("bucket:T", title=None), y=alt.Y("share:Q", axis=alt.Axis(format="%"))),
+        alt.Chart(share).mark_line(point=True).encode(x=time_x(), y=alt.Y("share:Q", axis=alt.Axis(format="%"))),
         width="stretch",
     )

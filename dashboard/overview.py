@@ -32,6 +32,9 @@ from dashboard.common import (
     query,
     requests_link,
     sidebar_filters,
+    stacked_bars,
+    time_tooltip,
+    time_x,
     unix_seconds,
 )
 
@@ -85,11 +88,8 @@ def live_panels(client: AgentClient, filters: Filters) -> None:
     )
     _lowest_bucket_link(rates, filters)
     st.subheader("Prompt tokens: recoverable / replayed / recomputed")
-    st.bar_chart(
-        rates[["recoverable_tokens", "replayed_tokens", "recomputed_tokens"]].rename(
-            columns=lambda c: c.removesuffix("_tokens")
-        )
-    )
+    tokens = rates[["recoverable_tokens", "replayed_tokens", "recomputed_tokens"]].rename(columns=lambda c: c.removesuffix("_tokens"))
+    st.altair_chart(stacked_bars(tokens, "part", "prompt tokens"), width="stretch")
     st.subheader("Usable rate per form")
     if filters.form is not None:
         forms = forms[forms["form"] == filters.form]
@@ -158,7 +158,7 @@ def _form_multiples(client: AgentClient, filters: Filters) -> None:
         alt.Chart(form_recoverable(rows))
         .mark_line(point=True)
         .encode(
-            x=alt.X("bucket:T", title=None),
+            x=time_x(),
             y=alt.Y("recoverable_rate:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"), title=None),
         )
         .properties(width=180, height=120)
@@ -197,10 +197,10 @@ def _lines(wide: pd.DataFrame, series: str, value: str) -> alt.Chart:
         alt.Chart(long)
         .mark_line(point=True)
         .encode(
-            x=alt.X(f"{x}:T", title=None),
+            x=time_x(x),
             y=alt.Y(f"{value}:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%")),
             color=alt.Color(f"{series}:N"),
-            tooltip=[alt.Tooltip(f"{x}:T"), f"{series}:N", alt.Tooltip(f"{value}:Q", format=".1%")],
+            tooltip=[time_tooltip(x), f"{series}:N", alt.Tooltip(f"{value}:Q", format=".1%")],
         )
     )
 

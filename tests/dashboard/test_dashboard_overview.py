@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import calendar
+import json
 import socket
 import sys
 import time
@@ -132,6 +133,14 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
     assert chart_points(at, 0, "series", "rate") == {"recoverable": [0.5, 0.75], "raw": [0.5, 0.95]}
     # a form's usable rate over the prompt tokens of the requests that looked it up
     assert chart_points(at, 2, "form", "usable rate") == {"full_kv": [0.95], "swa_window": [0.8]}
+    # time axes are UTC, as the tables and the agent (Vega-Lite would draw the browser's zone)
+    for chart in at.get("vega_lite_chart")[:3]:
+        x = json.loads(chart.proto.spec)["encoding"]["x"]
+        assert (x["type"], x["scale"]["type"], x["title"]) == ("temporal", "utc", "UTC")
+    # the tokens split: stacked bars per bucket
+    (tokens,) = at.get("vega_lite_chart")[1].proto.datasets
+    split = pa.ipc.open_stream(tokens.data.data).read_all().to_pandas()
+    assert split.groupby("part")["prompt tokens"].sum().to_dict() == {"recoverable": 4000, "replayed": 0, "recomputed": 2000}
     # the drill from the drop: the lowest bucket (r0's, 50 %) opens the Requests page on it
     (link,) = at.get("page_link")
     assert link.proto.page == "requests"
