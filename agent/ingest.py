@@ -593,9 +593,10 @@ def fold_cache_minute(store: Store) -> int:
 
 
 LOOKUP_SLACK = "INTERVAL 1 HOUR"
-"""A request's lookups are those of its engine and id with ``ts`` at most this long before the
-request's own ``ts`` (lookups happen at admission, the request event at the end); older ones, of
-requests that ran longer, are left out, by the fold and by the raw query alike."""
+"""A request's lookups are those of its engine and id with ``ts`` within this of the request's
+own ``ts``, either side (lookups happen at admission, the request event at the end; a producer's
+clocks may differ a little); others — of requests that ran longer — are left out, by the fold
+and by the raw queries alike."""
 
 _FORM_USABLE_UPSERT = f"""
     INSERT INTO form_usable_minute
@@ -604,7 +605,7 @@ _FORM_USABLE_UPSERT = f"""
         FROM requests
         WHERE ingested_at <= $high AND (
             ingested_at > $low
-            OR (ts >= $late_low::TIMESTAMP AND ts <= $late_high::TIMESTAMP + {LOOKUP_SLACK} AND (engine_id, request_id) IN (
+            OR (ts >= $late_low::TIMESTAMP - {LOOKUP_SLACK} AND ts <= $late_high::TIMESTAMP + {LOOKUP_SLACK} AND (engine_id, request_id) IN (
                 SELECT engine_id, request_id FROM cache_lookups WHERE ingested_at > $low AND ingested_at <= $high
             ))
         )
@@ -616,7 +617,7 @@ _FORM_USABLE_UPSERT = f"""
         JOIN cache_lookups AS l USING (engine_id, request_id)
         WHERE l.ingested_at <= $high
           AND l.ts >= (SELECT min(ts) FROM touched) - {LOOKUP_SLACK}
-          AND l.ts >= r.ts - {LOOKUP_SLACK}
+          AND l.ts BETWEEN r.ts - {LOOKUP_SLACK} AND r.ts + {LOOKUP_SLACK}
         GROUP BY ALL
     )
     SELECT date_trunc('minute', ts), engine_id, model, form,

@@ -371,12 +371,14 @@ class MaintenanceScheduler:
         offset = self.config.export_lag_seconds % HOUR
         return CronTrigger(minute=offset // 60, second=offset % 60, timezone=UTC)
 
-    def start(self, *, on_parent_exit: Callable[[], None] | None = None) -> None:
+    def start(self, *, parent_pid: int | None = None, on_parent_exit: Callable[[], None] | None = None) -> None:
         """Start the jobs in a background thread (the GPU job only when NVML found a GPU).
 
-        With ``on_parent_exit``, a job checks every second whether the process that started this
-        one has exited (this process was re-parented) and then calls it once, so an agent started
-        by ``kvscope up`` does not outlive an ``up`` that was killed and keep the DuckDB lock.
+        With ``parent_pid`` and ``on_parent_exit``, a job (not counted in the runs metric) checks
+        every second whether this process's parent is still ``parent_pid`` — read by the caller as
+        early as it can, so a parent killed during start-up is noticed too — and calls it once
+        when not (this process was re-parented): an agent started by ``kvscope up`` does not
+        outlive an ``up`` that was killed and keep the DuckDB lock.
         """
         if self._scheduler is not None:
             raise RuntimeError("the maintenance scheduler is already started")
@@ -386,8 +388,15 @@ class MaintenanceScheduler:
             ("export", self.export_and_retain, self.export_trigger()),
             ("checkpoint", self.checkpoint, IntervalTrigger(seconds=self.config.checkpoint_interval_seconds, timezone=UTC)),
         ]
-        if on_parent_exit is not None:
-            jobs.append(("parent", _parent_watch(on_parent_exit), IntervalTrigger(seconds=1, timezone=UTC)))
+        if parent_pid is not None and on_parent_exit is not None:
+            scheduler.add_job(
+                _parent_watch(parent_pid, on_parent_exit),
+                IntervalTrigger(seconds=1, timezone=UTC),
+                id="kvscope-parent",
+                name="kvscope parent watch",
+                max_instances=1,
+                coalesce=True,
+            )
         if self.config.gpu_sample_seconds is not None and self.gpu.start():
             jobs.append(("gpu", self.sample_gpu, IntervalTrigger(seconds=self.config.gpu_sample_seconds, timezone=UTC)))
         for job, run, trigger in jobs:
@@ -414,9 +423,8 @@ class MaintenanceScheduler:
         self._counted("rollup", self.rollup)()
 
 
-def _parent_watch(on_exit: Callable[[], None]) -> Callable[[], None]:
-    """A job calling ``on_exit`` once, after the parent process of now has exited."""
-    parent = os.getppid()
+def _parent_watch(parent: int, on_exit: Callable[[], None]) -> Callable[[], None]:
+    """A job calling ``on_exit`` once, after this process's parent is no longer ``parent``."""
     fired = False
 
     def check() -> None:

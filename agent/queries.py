@@ -239,8 +239,8 @@ FORM_USABLE_TIMESERIES = NamedQuery(
     description=(
         "Per time bucket and form: the form's usable tokens over the prompt tokens of the "
         "requests that looked it up. A form's usable tokens per request are the minimum over "
-        "its lookups (layer groups, tensor-parallel ranks) stored up to an hour before the "
-        "request's ts; requests are bucketed by their ts. Buckets of whole minutes read the "
+        "its lookups (layer groups, tensor-parallel ranks) with ts within an hour of the "
+        "request's; requests are bucketed by their ts. Buckets of whole minutes read the "
         "form_usable_minute rollup (folded every rollup interval, like cache_minute), others the "
         "raw tables; a request whose request event is not stored yet is left out."
     ),
@@ -250,7 +250,8 @@ FORM_USABLE_TIMESERIES = NamedQuery(
                form, sum(usable_tokens) AS usable_tokens, sum(prompt_tokens) AS prompt_tokens
         FROM form_usable_minute
         WHERE $bucket_seconds::BIGINT % 60 = 0
-          AND minute >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="")}
+          -- the window's first minute whole (a minute cannot be split): like a raw first bucket
+          AND minute >= date_trunc('minute', $now - to_seconds($since_seconds::BIGINT)) AND {_FILTER.format(t="")}
         GROUP BY ALL
     ), per_request AS (
         SELECT r.ts, r.prompt_tokens, l.form, min(l.usable_tokens) AS usable_tokens
@@ -258,9 +259,9 @@ FORM_USABLE_TIMESERIES = NamedQuery(
         JOIN cache_lookups AS l USING (engine_id, request_id)
         WHERE $bucket_seconds::BIGINT % 60 <> 0
           AND r.ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="r.")}
-          -- lookups happen at admission, before the request event's ts (agent.ingest.LOOKUP_SLACK)
+          -- a request's lookups: within an hour of its ts (agent.ingest.LOOKUP_SLACK)
           AND l.ts >= $now - to_seconds($since_seconds::BIGINT) - {LOOKUP_SLACK}
-          AND l.ts >= r.ts - {LOOKUP_SLACK}
+          AND l.ts BETWEEN r.ts - {LOOKUP_SLACK} AND r.ts + {LOOKUP_SLACK}
         GROUP BY r.engine_id, r.request_id, r.ts, r.prompt_tokens, l.form
     ), raw AS (
         SELECT {_BUCKET_EXPR.format(t="")} AS bucket, form,
@@ -604,7 +605,7 @@ CAPACITY_WHATIF = NamedQuery(
         JOIN cache_lookups AS l USING (engine_id, request_id)
         WHERE r.ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="r.")}
           AND l.ts >= $now - to_seconds($since_seconds::BIGINT) - {LOOKUP_SLACK}
-          AND l.ts >= r.ts - {LOOKUP_SLACK}
+          AND l.ts BETWEEN r.ts - {LOOKUP_SLACK} AND r.ts + {LOOKUP_SLACK}
         GROUP BY ALL
     ), per_request AS (
         SELECT prompt_tokens, recorded, min(usable) AS replay, min(usable_if) AS what_if
@@ -630,13 +631,14 @@ FORM_GHOSTS = NamedQuery(
     name="form_ghosts",
     description=(
         "Per form over the window: lookups that lost tokens (invalidated), how many of those more "
-        "device memory would have saved (a ghost point), the memory that took (MiB: median, 90th "
-        "percentile, largest) and the tokens it would have added."
+        "device memory would have saved (a ghost point), and, over every lookup with a ghost point "
+        "(Tail-Replay's replayed ones too: more memory would have made them exact), the memory "
+        "that took (MiB: median, 90th percentile, largest) and the tokens it would have added."
     ),
     sql=f"""
     SELECT form,
            count(*) FILTER (WHERE outcome = 'invalidated') AS lost_lookups,
-           count(ghost_bytes) AS saved_by_memory,
+           count(ghost_bytes) FILTER (WHERE outcome = 'invalidated') AS saved_by_memory,
            quantile_cont(ghost_bytes, 0.5) / 1048576 AS ghost_mib_p50,
            quantile_cont(ghost_bytes, 0.9) / 1048576 AS ghost_mib_p90,
            max(ghost_bytes) / 1048576 AS ghost_mib_max,

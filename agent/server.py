@@ -33,9 +33,10 @@ from alerts.rulefile import DEFAULT_RULES_PATH, load_rule_file
 log = logging.getLogger(__name__)
 
 
-def serve(config: AgentConfig, *, log_level: str = "info", exit_with_parent: bool = False) -> None:
+def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | None = None) -> None:
     """Serve the agent on ``config.host:config.port`` until SIGINT/SIGTERM (blocking), or, with
-    ``exit_with_parent``, until the process that started it exits (shut down as on SIGTERM).
+    ``parent_pid``, until this process's parent is no longer that process (it exited; the agent
+    shuts down as on SIGTERM).
 
     Raises:
         duckdb.Error: the store cannot be opened (for example another agent holds the file).
@@ -74,7 +75,7 @@ def serve(config: AgentConfig, *, log_level: str = "info", exit_with_parent: boo
             timeout_seconds=config.sql_timeout_seconds,
         )
         app.state.active_alerts = rule_scheduler.active_alerts
-        maintenance.start(on_parent_exit=(lambda: setattr(server, "should_exit", True)) if exit_with_parent else None)
+        maintenance.start(parent_pid=parent_pid, on_parent_exit=lambda: setattr(server, "should_exit", True))
         try:
             rule_scheduler.start()
             with _signals_end_quietly():

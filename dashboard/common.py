@@ -149,10 +149,11 @@ def _synced(bar: object, label: str, key: str, options: list[str], default: str,
 
 def requests_link(filters: Filters, label: str, *, start: float | None = None, end: float | None = None, form: str | None = None) -> None:
     """A link to the Requests page showing the requests behind a chart: those in ``[start, end)``
-    (unix seconds; one bucket) and/or limited by ``form``, with the current engine and model."""
+    (unix seconds; one bucket) and/or limited by ``form``, with the current engine and model (not
+    the sidebar's form: a chart of all requests links to all of its requests)."""
     from dashboard.pages import page
 
-    params = {"window": filters.window, "engine": filters.engine, "model": filters.model, "form": form or filters.form}
+    params = {"window": filters.window, "engine": filters.engine, "model": filters.model, "form": form or ALL}
     if start is not None and end is not None:
         params.update(start=f"{start:.6f}".rstrip("0").rstrip("."), end=f"{end:.6f}".rstrip("0").rstrip("."))
     st.page_link(page("requests"), label=label, icon=":material/manage_search:", query_params={k: v for k, v in params.items() if v is not None})

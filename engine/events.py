@@ -272,8 +272,10 @@ def check_batch(batch: EventBatch) -> None:
     Raises:
         EventError: wrong ``schema_version``; too many events; an event whose ``engine_id``
             differs from the batch's; a ``hit`` with a reason or a non-hit without one; a
-            ``cache_lookup`` whose usable or recoverable tokens exceed its hash hit; a
-            ``request`` whose token split does not add up to its prompt.
+            ``cache_lookup`` whose usable, recoverable or ghost tokens exceed its hash hit, with
+            ``ghost_bytes`` but no ``ghost_tokens`` (or the reverse), ``ghost_bytes`` 0, or
+            ``ghost_tokens`` not past ``usable_tokens``; a ``request`` whose token split does not
+            add up to its prompt.
     """
     if batch.schema_version != SCHEMA_VERSION:
         raise EventError(
@@ -297,6 +299,10 @@ def check_batch(batch: EventBatch) -> None:
                 raise EventError(f"{at}.ghost_tokens", "exceeds hash_hit_tokens")
             if (ev.ghost_bytes is None) != (ev.ghost_tokens == 0):
                 raise EventError(f"{at}.ghost_bytes", "ghost_bytes and a non-zero ghost_tokens go together")
+            if ev.ghost_bytes == 0:
+                raise EventError(f"{at}.ghost_bytes", "must be > 0: a ghost point needs more memory")
+            if ev.ghost_tokens and ev.ghost_tokens <= ev.usable_tokens:
+                raise EventError(f"{at}.ghost_tokens", "must exceed usable_tokens")
         elif isinstance(ev, RequestEvent):
             total = ev.recoverable_tokens + ev.replayed_tokens + ev.recomputed_tokens
             if total != ev.prompt_tokens:

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -299,6 +300,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    parent_pid = os.getppid() if args.exit_with_parent else None  # before the slow start-up: see serve
     import duckdb
 
     from agent.config import AgentConfig, ConfigError, load_config
@@ -347,7 +349,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        serve(config, exit_with_parent=args.exit_with_parent)
+        serve(config, parent_pid=parent_pid)
     except SchemaTooNewError as exc:
         raise UserError(f"{config.db_path}: {exc}") from None
     except duckdb.IOException as exc:

@@ -15,6 +15,7 @@ lookup may consult through :meth:`BlockPool.present` while the pool is in *tier 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -121,7 +122,8 @@ class BlockPool:
         self.tier_view = False
         """When True, :meth:`present` also counts objects held by the lower tiers (the cache
         sets it while it plans a resume that would swap them in)."""
-        self._evicted: OrderedDict[BlockHash, int] = OrderedDict()  # hash → its priority when evicted, oldest first
+        self._evicted: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()  # hash → (eviction number, priority), oldest first
+        self._ghosts: dict[int, list[int]] = {}  # priority → eviction numbers of the remembered hashes, ascending
         self._evicted_memory = EVICTED_MEMORY_FACTOR * num_blocks
         self.max_cached: int | None = None
         """Most evictable (``CACHED``) blocks kept; beyond it a released block evicts the least
@@ -158,20 +160,25 @@ class BlockPool:
         """The hash → block map of published blocks (read-only view for fast scans)."""
         return self._cached
 
-    def ghost_depths(self) -> dict[BlockHash, int]:
-        """For every hash evicted recently and not stored again since: how many more cached blocks
-        this pool would have needed to still hold it. That is its place among the remembered
-        evictions, newest first, counting only those of its priority or higher (a larger pool
-        still evicts lower-priority blocks before it) — the LRU stack distance beyond the pool's
-        size read off a ghost list (ARC's ghost entries, Megiddo and Modha, FAST 2003; stack
-        distances, Mattson et al., IBM Systems Journal 1970): exact for one LRU queue, an estimate
-        under eviction groups. O(remembered evictions); meant for lookups that lost tokens."""
-        newer: dict[int, int] = {}  # priority → remembered evictions newer than the current one
-        depths: dict[BlockHash, int] = {}
-        for h, priority in reversed(self._evicted.items()):
-            depths[h] = 1 + sum(n for p, n in newer.items() if p >= priority)
-            newer[priority] = newer.get(priority, 0) + 1
-        return depths
+    def ghost_depth(self, h: BlockHash) -> int | None:
+        """How many more cached blocks this pool would have needed to still hold ``h`` (None:
+        ``h`` was not evicted recently, or was stored again since). That is its place among the
+        remembered evictions, newest first, counting only those of its priority or higher (a
+        larger pool still evicts lower-priority blocks before it) — the LRU stack distance beyond
+        the pool's size read off a ghost list (ARC's ghost entries, Megiddo and Modha, FAST 2003;
+        stack distances, Mattson et al., IBM Systems Journal 1970): exact for one LRU queue, an
+        estimate under eviction groups. O(priorities × log(remembered evictions))."""
+        entry = self._evicted.get(h)
+        if entry is None:
+            return None
+        number, priority = entry
+        return 1 + sum(len(seqs) - bisect.bisect_right(seqs, number) for p, seqs in self._ghosts.items() if p >= priority)
+
+    def _forget(self, number: int, priority: int) -> None:
+        seqs = self._ghosts[priority]
+        del seqs[bisect.bisect_left(seqs, number)]
+        if not seqs:
+            del self._ghosts[priority]
 
     def was_evicted(self, h: BlockHash) -> bool:
         """Whether a block cached under ``h`` was evicted recently (and not stored again since).
@@ -316,7 +323,9 @@ class BlockPool:
         self.block_hash[block] = h
         self._cached[h] = block
         self.version += 1
-        self._evicted.pop(h, None)
+        forgotten = self._evicted.pop(h, None)
+        if forgotten is not None:
+            self._forget(*forgotten)
         self._on_publish(h)
         if self.observer is not None:
             self.observer("stored", h, block)
@@ -432,9 +441,11 @@ class BlockPool:
                 self._evictable[self._priority[other]].move_to_end(other, last=False)
         h = self._unpublish(block)
         self.evictions += 1
-        self._evicted[h] = self._priority[block]
+        priority = self._priority[block]
+        self._evicted[h] = (self.evictions, priority)
+        self._ghosts.setdefault(priority, []).append(self.evictions)  # numbers only grow: stays sorted
         if len(self._evicted) > self._evicted_memory:
-            self._evicted.popitem(last=False)
+            self._forget(*self._evicted.popitem(last=False)[1])
         self._on_evict(h)
         if self.observer is not None:
             self.observer("removed", h, block)
@@ -512,5 +523,8 @@ class BlockPool:
                     fail(f"block {b} {st}: hash {h.hex()} maps to block {self._cached.get(h)}")
         if published != len(self._cached):
             fail(f"hash map has {len(self._cached)} entries for {published} published blocks")
+        ghosts = sorted((n, p) for p, seqs in self._ghosts.items() for n in seqs)
+        if ghosts != sorted(self._evicted.values()) or any(seqs != sorted(seqs) for seqs in self._ghosts.values()):
+            fail("the ghost index does not match the eviction memory")
         if len(self._evicted) > self._evicted_memory or any(h in self._cached for h in self._evicted):
             fail("eviction memory holds a cached hash or is over its size")

@@ -506,25 +506,22 @@ class PrefixCache:
         """Each form that lost tokens gets the resume point it would have had with more device
         memory and how much more (``FormLookup.ghost_tokens`` / ``ghost_bytes``): the highest
         point ≤ ``target`` whose every needed object is cached or was evicted recently, costing,
-        per pool, the deepest such eviction (:meth:`BlockPool.ghost_depths`) times the pool's
+        per pool, the deepest such eviction (:meth:`BlockPool.ghost_depth`) times the pool's
         bytes per block. A vetoed form (a validation failure) gets none: memory would not help."""
         if self._bytes_per_block is None:
             self._bytes_per_block = {id(pool): size for _, pool, _, size, _ in self.pool_entries()}
         by_form = {f.form: f for f in self.forms}
-        depths: dict[int, dict[BlockHash, int]] = {}  # id(pool) → its ghost depths, read once per lookup
         forms = []
         for lookup in plan.forms:
             form = by_form[lookup.form]
             if lookup.usable_tokens >= target or lookup.form in vetoed:
                 forms.append(lookup)
                 continue
-            ghost = self._ghost(form, hashes, target, lookup.usable_tokens, depths)
+            ghost = self._ghost(form, hashes, target, lookup.usable_tokens)
             forms.append(lookup if ghost is None else dataclasses.replace(lookup, ghost_tokens=ghost[0], ghost_bytes=ghost[1]))
         return dataclasses.replace(plan, forms=tuple(forms))
 
-    def _ghost(
-        self, form: CacheForm, hashes: Sequence[BlockHash], target: int, usable: int, depths: dict[int, dict[BlockHash, int]]
-    ) -> tuple[int, int] | None:
+    def _ghost(self, form: CacheForm, hashes: Sequence[BlockHash], target: int, usable: int) -> tuple[int, int] | None:
         u = self.unit_tokens
         assert self._bytes_per_block is not None
         for cand in range(target, usable, -u)[: self.GHOST_CANDIDATES]:
@@ -532,13 +529,13 @@ class PrefixCache:
             for pool, h in form.needed_keys(hashes, cand):
                 if pool.present(h):
                     continue
-                if id(pool) not in depths:
-                    depths[id(pool)] = pool.ghost_depths()
-                depth = depths[id(pool)].get(h)
+                depth = pool.ghost_depth(h)
                 if depth is None:
                     break
                 deepest[id(pool)] = max(deepest.get(id(pool), 0), depth)
             else:
+                if not deepest:  # everything there, yet the form could not resume: memory is not why
+                    return None
                 return cand, sum(n * self._bytes_per_block[pool] for pool, n in deepest.items())
         return None
 

@@ -173,6 +173,18 @@ MALFORMED: list[tuple[str, Any, str, str]] = [
         "exceeds hash_hit_tokens",
     ),
     (
+        "ghost point needing no memory",
+        lambda b: json_body(batch(2, _with(known_events(b), 1, ghost_tokens=800, ghost_bytes=0))),
+        "$.events[1].ghost_bytes",
+        "must be > 0",
+    ),
+    (
+        "ghost point not past the usable tokens",
+        lambda b: json_body(batch(2, _with(known_events(b), 1, ghost_tokens=600, ghost_bytes=4096))),
+        "$.events[1].ghost_tokens",
+        "must exceed usable_tokens",
+    ),
+    (
         "engine_id mismatch",
         lambda b: json_body(batch(2, _with(known_events(b), 3, engine_id="e9"))),
         "$.events[3].engine_id",

@@ -31,6 +31,8 @@ def stats(engine: str, ts: float, form: str, used: int, cached: int, total: int)
 def agent(tmp_path: Path) -> Iterator[RunningAgent]:
     """Two engines' full_kv pools (64 and 32 blocks of 1 MiB) and e1's swa_window (16 blocks), in
     one 15-second bucket: e1's full_kv used 40 then 48 blocks (mean 44), e2's 16."""
+    global NOW
+    NOW = time.time()  # per test: a module-level clock would age past the page's window in a long run
     bucket = (int(NOW) // 15 - 2) * 15
     with running_agent(tmp_path) as running:
         for seq, (engine, events) in enumerate(

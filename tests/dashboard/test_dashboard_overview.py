@@ -147,7 +147,7 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
     (dataset,) = at.get("vega_lite_chart")[0].proto.datasets
     first = pa.ipc.open_stream(dataset.data.data).read_all().column("bucket")[0].as_py()
     start = calendar.timegm(first.timetuple())  # r0's bucket (naive UTC), the chart's first
-    assert dict(parse_qsl(link.proto.query_string)) == {"window": "15 minutes", "start": str(start), "end": str(start + 15)}
+    assert dict(parse_qsl(link.proto.query_string)) == {"window": "15 minutes", "form": "(all)", "start": str(start), "end": str(start + 15)}
     assert link.proto.label.endswith(" UTC, 50.0% recoverable")
 
 

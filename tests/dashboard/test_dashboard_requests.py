@@ -42,6 +42,8 @@ def agent(tmp_path: Path) -> Iterator[RunningAgent]:
     """r-swa: 2048 prompt tokens, 1024 hash-hit; full_kv usable 1024, swa_window only 512 (its
     window was evicted: it limits L* to 512), linear_state 896 in one layer group and 640 in the
     other (the form counts its minimum, 640). r-cold: nothing cached."""
+    global NOW
+    NOW = time.time()  # per test: a module-level clock would age past the page's window in a long run
     with running_agent(tmp_path) as running:
         events = [
             lookup("r-swa", "full_kv", 1024, 1024),

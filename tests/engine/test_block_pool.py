@@ -288,17 +288,23 @@ def _store(pool: BlockPool, h: bytes, priority: int = 0) -> int:
     return block
 
 
+def depths(pool: BlockPool, names: bytes) -> dict[bytes, int]:
+    """The ghost depth of every one-letter hash in ``names`` that has one."""
+    found = {bytes([n]): pool.ghost_depth(bytes([n])) for n in names}
+    return {h: d for h, d in found.items() if d is not None}
+
+
 def test_ghost_depths_are_lru_stack_distances_beyond_the_pool() -> None:
     """Pool of 3 usable blocks. Stored A..F in order: A, B, C are evicted (oldest first). A pool
     one block larger would have kept C, two larger B, three larger A: the depths 1, 2, 3."""
     pool, _ = make_pool(4)
     for h in (b"A", b"B", b"C", b"D", b"E", b"F"):
         _store(pool, h)
-    assert pool.ghost_depths() == {b"C": 1, b"B": 2, b"A": 3}
+    assert depths(pool, b"ABCDEF") == {b"C": 1, b"B": 2, b"A": 3}
     # B stored again (it evicts D): a larger pool would have kept B above A instead of evicting
     # it, so A's depth counts only what is still gone: D (newest), C, A
     _store(pool, b"B")
-    assert pool.ghost_depths() == {b"D": 1, b"C": 2, b"A": 3}
+    assert depths(pool, b"ABCDEF") == {b"D": 1, b"C": 2, b"A": 3}
     assert pool.was_evicted(b"A") and not pool.was_evicted(b"B")
     pool.check_invariants()
 
@@ -313,9 +319,42 @@ def test_ghost_depths_skip_lower_priority_evictions() -> None:
     _store(pool, b"a")  # no priority-0 block cached yet: H, the older priority-1 block, goes
     _store(pool, b"b")  # a goes
     _store(pool, b"c")  # b goes
-    assert pool.ghost_depths() == {b"b": 1, b"a": 2, b"H": 1}
+    assert depths(pool, b"HKabc") == {b"b": 1, b"a": 2, b"H": 1}
     # the check: a pool of 3 usable blocks under the same stores keeps H
     larger, _ = make_pool(4)
     for h, priority in ((b"H", 1), (b"K", 1), (b"a", 0), (b"b", 0), (b"c", 0)):
         _store(larger, h, priority)
     assert larger.present(b"H") and not larger.present(b"b")
+
+
+def test_ghost_depths_match_a_simulated_larger_lru_pool() -> None:
+    """Random stores and re-stores into a single-priority pool: a block's ghost depth d means a
+    pool d blocks larger (same stores) still holds it, and one d - 1 larger does not."""
+    import random
+
+    rng = random.Random(7)
+    names = [bytes([65 + i]) for i in range(12)]
+    stores = [rng.choice(names) for _ in range(80)]
+
+    def run(usable: int) -> BlockPool:
+        pool, _ = make_pool(usable + 1)
+        for h in stores:
+            block = pool.lookup(h)
+            if block is not None:  # a hit: used again, so most recently released
+                pool.lease(block)
+                pool.release(block)
+            else:
+                _store(pool, h)
+        return pool
+
+    small = run(3)
+    small.check_invariants()
+    checked = 0
+    for h in names:
+        d = small.ghost_depth(h)
+        if d is None:
+            continue
+        assert run(3 + d).present(h), (h, d)
+        assert not run(3 + d - 1).present(h), (h, d)
+        checked += 1
+    assert checked >= 3
