@@ -19,6 +19,7 @@ Panels (all from the agent's named queries, refreshed every :data:`REFRESH_SECON
 from __future__ import annotations
 
 import math
+import time
 
 import altair as alt
 import pandas as pd
@@ -117,11 +118,11 @@ def _lowest_bucket_link(rates: pd.DataFrame, filters: Filters) -> None:
     if found is None:
         return
     bucket, rate = found
-    start = unix_seconds(bucket)
-    end = start + filters.bucket_seconds
+    end = unix_seconds(bucket) + filters.bucket_seconds
+    start = max(unix_seconds(bucket), time.time() - filters.since_seconds)  # the window's first bucket is partial
     requests_link(
         filters,
-        f"The requests behind the lowest bucket: {bucket:%H:%M:%S}–{pd.Timestamp(end, unit='s'):%H:%M:%S} UTC, {rate:.1%} recoverable",
+        f"The requests behind the lowest bucket: {pd.Timestamp(start, unit='s'):%H:%M:%S}–{pd.Timestamp(end, unit='s'):%H:%M:%S} UTC, {rate:.1%} recoverable",
         start=start,
         end=end,
     )
