@@ -574,22 +574,28 @@ def fold_cache_minute(store: Store) -> int:
         duckdb.Error, StoreClosedError: the store failed; nothing moved.
     """
     with store.transaction() as cur:
-        rows = cur.execute(
-            "SELECT ingested_at FROM rollup_watermarks WHERE name = 'cache_minute'"
-        ).fetchall()
-        low = rows[0][0] if rows else datetime(1970, 1, 1)
+        low = _watermark(cur, "cache_minute")
         ((high, count),) = cur.execute(
             "SELECT max(ingested_at), count(*) FROM cache_lookups WHERE ingested_at > $low",
             {"low": low},
         ).fetchall()
         if count:
             cur.execute(_CACHE_MINUTE_UPSERT, {"low": low, "high": high})
-            cur.execute(
-                "INSERT INTO rollup_watermarks VALUES ('cache_minute', $high) "
-                "ON CONFLICT (name) DO UPDATE SET ingested_at = EXCLUDED.ingested_at",
-                {"high": high},
-            )
+            _move_watermark(cur, "cache_minute", high)
     return int(count)
+
+
+def _watermark(cur: duckdb.DuckDBPyConnection, name: str) -> datetime:
+    """The ``ingested_at`` a rollup has folded up to (the epoch before its first fold)."""
+    rows = cur.execute("SELECT ingested_at FROM rollup_watermarks WHERE name = $name", {"name": name}).fetchall()
+    return rows[0][0] if rows else datetime(1970, 1, 1)
+
+
+def _move_watermark(cur: duckdb.DuckDBPyConnection, name: str, high: datetime) -> None:
+    cur.execute(
+        "INSERT INTO rollup_watermarks VALUES ($name, $high) ON CONFLICT (name) DO UPDATE SET ingested_at = EXCLUDED.ingested_at",
+        {"name": name, "high": high},
+    )
 
 
 LOOKUP_SLACK = "INTERVAL 1 HOUR"
@@ -652,10 +658,7 @@ def fold_form_usable_minute(store: Store) -> int:
         duckdb.Error, StoreClosedError: the store failed; nothing moved.
     """
     with store.transaction() as cur:
-        rows = cur.execute(
-            "SELECT ingested_at FROM rollup_watermarks WHERE name = 'form_usable_minute'"
-        ).fetchall()
-        low = rows[0][0] if rows else datetime(1970, 1, 1)
+        low = _watermark(cur, "form_usable_minute")
         ((high, requests, lookups, late_low, late_high),) = cur.execute(
             """
             SELECT greatest(r.high, l.high), r.n, l.n, l.low_ts, l.high_ts
@@ -670,11 +673,7 @@ def fold_form_usable_minute(store: Store) -> int:
                 _FORM_USABLE_UPSERT,
                 {"low": low, "high": high, "late_low": late_low, "late_high": late_high},
             )
-            cur.execute(
-                "INSERT INTO rollup_watermarks VALUES ('form_usable_minute', $high) "
-                "ON CONFLICT (name) DO UPDATE SET ingested_at = EXCLUDED.ingested_at",
-                {"high": high},
-            )
+            _move_watermark(cur, "form_usable_minute", high)
     return int(requests) + int(lookups)
 
 

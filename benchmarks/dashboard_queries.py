@@ -121,25 +121,22 @@ def generate(store: Store, lookups: int, hours: float, seed: int) -> dict[str, f
         insert(cur, "ingest_batches", batches)
     log("  folding the rollups ...")
     folds: dict[str, float] = {}
-    began = time.perf_counter()
-    fold_cache_minute(store)
-    folds["cache_minute_first_s"] = time.perf_counter() - began
-    began = time.perf_counter()
-    fold_form_usable_minute(store)
-    folds["form_usable_minute_first_s"] = time.perf_counter() - began
+
+    def fold_both(label: str) -> None:
+        for name, fold in (("cache_minute", fold_cache_minute), ("form_usable_minute", fold_form_usable_minute)):
+            began = time.perf_counter()
+            fold(store)
+            folds[f"{name}_{label}_s"] = round(time.perf_counter() - began, 3)
+
+    fold_both("first")
     n = max(1, round(requests_total / (hours * 360)))  # ten seconds of requests
     requests, lookups_table = traffic(rng, requests_total, np.sort(rng.uniform(now - 10, now, n)), to_timestamp(time.time()))
     with store.transaction() as cur:
         insert(cur, "requests", requests)
         insert(cur, "cache_lookups", lookups_table)
-    began = time.perf_counter()
-    fold_cache_minute(store)
-    folds["cache_minute_10s_s"] = time.perf_counter() - began
-    began = time.perf_counter()
-    fold_form_usable_minute(store)
-    folds["form_usable_minute_10s_s"] = time.perf_counter() - began
+    fold_both("10s")
     store.checkpoint()
-    return {k: round(v, 3) for k, v in folds.items()}
+    return folds
 
 
 def traffic(rng: np.random.Generator, first: int, ts: np.ndarray, ingested: datetime) -> tuple[pa.Table, pa.Table]:
