@@ -290,10 +290,11 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         version=7,
-        name="cache_lookups: the ghost resume point and the memory it needed (the Capacity what-if)",
+        name="cache_lookups: the ghost resume point and the memory it needed, the spare memory (the Capacity what-if)",
         statements=(
             "ALTER TABLE cache_lookups ADD COLUMN ghost_tokens BIGINT DEFAULT 0",
             "ALTER TABLE cache_lookups ADD COLUMN ghost_bytes BIGINT",
+            "ALTER TABLE cache_lookups ADD COLUMN spare_bytes BIGINT",
         ),
     ),
 )

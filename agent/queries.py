@@ -581,26 +581,37 @@ CAPACITY_LATEST = NamedQuery(
 
 _WHATIF_FORMS = ("full_kv", "swa_window", "compressed_kv", "uncompressed_tail", "indexer_state", "linear_state")
 _EXTRA = tuple(
-    QueryParam(name=f"extra_mib_{f}", kind=float, default=0.0, minimum=0, maximum=1e9, description=f"more device memory for {f}, MiB")
+    QueryParam(
+        name=f"extra_mib_{f}", kind=float, default=0.0, minimum=-1e9, maximum=1e9,
+        description=f"more device memory for {f}, MiB (negative: less)",
+    )
     for f in _WHATIF_FORMS
-)
+)  # fmt: skip
 _EXTRA_BYTES = "1048576 * CASE l.form " + " ".join(f"WHEN '{f}' THEN $extra_mib_{f}::DOUBLE" for f in _WHATIF_FORMS) + " ELSE 0 END"
 
 CAPACITY_WHATIF = NamedQuery(
     name="capacity_whatif",
     description=(
-        "The recorded requests of the window replayed against more device memory per form: each "
-        "lookup that lost tokens to evictions resumes at its ghost point when its ghost memory "
-        "fits the form's extra MiB, a request's resume point is the minimum over its forms, and "
-        "the rates are Σ resume tokens / Σ prompt tokens. replay_rate is the same with no extra "
-        "memory (how close the model comes to recorded_rate, what the engine did)."
+        "The recorded requests of the window replayed against more or less device memory per "
+        "form: with more, each lookup that lost tokens to evictions resumes at its ghost point "
+        "when its ghost memory fits the form's extra MiB; with less, each lookup whose spare "
+        "memory the cut exceeds resumes nowhere (a lower bound: it may have had a lower point). A "
+        "request's resume point is the minimum over its forms, and the rates are Σ resume tokens "
+        "/ Σ prompt tokens. replay_rate is the same with no change (how close the model comes to "
+        "recorded_rate, what the engine did)."
     ),
     sql=f"""
     WITH per_form AS (
         SELECT r.engine_id, r.request_id, r.prompt_tokens, r.recoverable_tokens AS recorded, l.form,
                min(l.usable_tokens) AS usable,
-               min(CASE WHEN l.ghost_bytes IS NOT NULL AND l.ghost_bytes <= {_EXTRA_BYTES}
-                        THEN l.ghost_tokens ELSE l.usable_tokens END) AS usable_if
+               min(CASE
+                       -- more memory: a lookup that lost tokens resumes at its ghost point if that fits
+                       WHEN {_EXTRA_BYTES} >= 0 THEN
+                           CASE WHEN l.ghost_bytes <= {_EXTRA_BYTES} THEN l.ghost_tokens ELSE l.usable_tokens END
+                       -- less: a lookup whose spare memory the cut exceeds (or is unknown) resumes nowhere
+                       WHEN l.usable_tokens > 0 AND coalesce(l.spare_bytes < -({_EXTRA_BYTES}), true) THEN 0
+                       ELSE l.usable_tokens
+                   END) AS usable_if
         FROM requests AS r
         JOIN cache_lookups AS l USING (engine_id, request_id)
         WHERE r.ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="r.")}

@@ -10,8 +10,9 @@
   requests would have had (``capacity_whatif``), beside what was recorded; and per form, how many
   of its losses more memory would have saved and how much it took (``form_ghosts``). It reads the
   ghost resume points the engine records for every lookup that lost tokens to evictions (from its
-  pools' eviction history: LRU stack distances beyond each pool), so it models more memory, not
-  less.
+  pools' eviction history: LRU stack distances beyond each pool) for more memory, and the spare
+  memory it records for every lookup that resumed (how many blocks would be evicted before what it
+  read) for less.
 """
 
 from __future__ import annotations
@@ -113,18 +114,19 @@ def whatif_panel(client: object, filters: Filters) -> None:
         st.info("No cache lookups in this window yet: nothing to replay.")
         return
     st.caption(
-        "Extra device memory per form, in MiB; the window's recorded requests are replayed against it. "
-        "A lookup that lost tokens to evictions resumes where it would have with enough memory; "
-        "a request resumes at the minimum over its forms."
+        "More (or, negative, less) device memory per form, in MiB; the window's recorded requests are "
+        "replayed against it. With more, a lookup that lost tokens to evictions resumes where it would "
+        "have with enough memory; with less, a lookup that needed what the cut would have evicted "
+        "resumes nowhere (a lower bound). A request resumes at the minimum over its forms."
     )
     columns = st.columns(3)
-    extra = {f: columns[i % 3].number_input(f, min_value=0.0, value=0.0, step=16.0, key=f"whatif_{f}") for i, f in enumerate(FORMS)}
+    extra = {f: columns[i % 3].number_input(f, value=0.0, step=16.0, key=f"whatif_{f}") for i, f in enumerate(FORMS)}
     try:
         rows = query(
             client,  # type: ignore[arg-type]
             "capacity_whatif",
             since_seconds=filters.since_seconds, engine_id=filters.engine, model=filters.model,
-            **{f"extra_mib_{f}": mib for f, mib in extra.items() if mib > 0},
+            **{f"extra_mib_{f}": mib for f, mib in extra.items() if mib != 0},
         )  # fmt: skip
     except AgentError as exc:
         st.error(str(exc))
@@ -136,7 +138,7 @@ def whatif_panel(client: object, filters: Filters) -> None:
     metrics = st.columns(3)
     metrics[0].metric("Recorded recoverable hit rate", _pct(row["recorded_rate"]))
     metrics[1].metric(
-        "With the extra memory", _pct(row["what_if_rate"]),
+        "With this memory", _pct(row["what_if_rate"]),
         delta=f"{(row['what_if_rate'] - row['replay_rate']) * 100:+.1f} pp" if pd.notna(row["what_if_rate"]) else None,
     )  # fmt: skip
     metrics[2].metric("Model with no extra memory", _pct(row["replay_rate"]), help="how close the replay comes to what the engine did")

@@ -157,6 +157,9 @@ class CacheLookup(_Event, tag="cache_lookup", kw_only=True):
     ``ghost_bytes`` more device memory for it (0: none). The Capacity what-if reads these."""
     ghost_bytes: Bytes | None = None
     """That extra memory (None: more memory would not have helped, or not known)."""
+    spare_bytes: Bytes | None = None
+    """When the form could resume (``usable_tokens`` > 0): how much less device memory it could
+    have had and still resumed there (None: not known). The Capacity what-if reads these."""
 
 
 class RequestEvent(_Event, tag="request", kw_only=True):
@@ -274,8 +277,8 @@ def check_batch(batch: EventBatch) -> None:
             differs from the batch's; a ``hit`` with a reason or a non-hit without one; a
             ``cache_lookup`` whose usable, recoverable or ghost tokens exceed its hash hit, with
             ``ghost_bytes`` but no ``ghost_tokens`` (or the reverse), ``ghost_bytes`` 0, or
-            ``ghost_tokens`` not past ``usable_tokens``; a ``request`` whose token split does not
-            add up to its prompt.
+            ``ghost_tokens`` not past ``usable_tokens``, or ``spare_bytes`` without usable
+            tokens; a ``request`` whose token split does not add up to its prompt.
     """
     if batch.schema_version != SCHEMA_VERSION:
         raise EventError(
@@ -303,6 +306,8 @@ def check_batch(batch: EventBatch) -> None:
                 raise EventError(f"{at}.ghost_bytes", "must be > 0: a ghost point needs more memory")
             if ev.ghost_tokens and ev.ghost_tokens <= ev.usable_tokens:
                 raise EventError(f"{at}.ghost_tokens", "must exceed usable_tokens")
+            if ev.spare_bytes is not None and ev.usable_tokens == 0:
+                raise EventError(f"{at}.spare_bytes", "only a lookup with usable tokens has spare memory")
         elif isinstance(ev, RequestEvent):
             total = ev.recoverable_tokens + ev.replayed_tokens + ev.recomputed_tokens
             if total != ev.prompt_tokens:

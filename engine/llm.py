@@ -396,6 +396,7 @@ class LLM:
                     epoch=epochs.get(f.form, 0),
                     ghost_tokens=f.ghost_tokens,
                     ghost_bytes=f.ghost_bytes,
+                    spare_bytes=f.spare_bytes,
                 )
             )
         self.sink.emit(

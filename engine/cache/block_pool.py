@@ -101,6 +101,9 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._empty: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._evictable: dict[int, OrderedDict[int, None]] = {}  # priority → LRU queue, never empty
+        self._order: dict[int, int] = {}  # evictable block → its order key in its queue (front: lowest)
+        self._order_keys: dict[int, list[int]] = {}  # priority → its queue's order keys, ascending
+        self._order_ends = [0, 0]  # the lowest and highest order key handed out
         self._levels: list[int] = []  # min-heap of priorities, possibly with emptied ones
         self._in_levels: set[int] = set()
         self._num_evictable = 0
@@ -173,6 +176,22 @@ class BlockPool:
             return None
         number, priority = entry
         return 1 + sum(len(seqs) - bisect.bisect_right(seqs, number) for p, seqs in self._ghosts.items() if p >= priority)
+
+    def spare_blocks(self, h: BlockHash) -> int | None:
+        """How many blocks smaller this pool could be and still hold ``h`` now: its empty blocks
+        plus the evictable blocks evicted before ``h`` (lower priorities, then those ahead of it in
+        its queue); a leased block outlives every empty and evictable one. None: ``h`` is not
+        cached here. With LRU's inclusion property (Mattson et al. 1970) a pool ``d`` blocks
+        smaller would hold ``h`` exactly when ``d`` is at most this: the mirror of
+        :meth:`ghost_depth`. O(priorities + log n)."""
+        block = self._cached.get(h)
+        if block is None:
+            return None
+        if self.ref_count[block] > 0:
+            return len(self._empty) + self._num_evictable
+        priority = self._priority[block]
+        ahead = sum(len(q) for p, q in self._evictable.items() if p < priority)
+        return len(self._empty) + ahead + bisect.bisect_left(self._order_keys[priority], self._order[block])
 
     def _forget(self, number: int, priority: int) -> None:
         seqs = self._ghosts[priority]
@@ -394,6 +413,19 @@ class BlockPool:
         queue[block] = None
         self._priority[block] = priority
         self._num_evictable += 1
+        self._order_ends[1] += 1
+        self._order[block] = self._order_ends[1]
+        self._order_keys.setdefault(priority, []).append(self._order_ends[1])  # the highest: stays sorted
+
+    def _to_front(self, block: int) -> None:
+        """Move an evictable block to the front of its queue: it is evicted next."""
+        priority = self._priority[block]
+        self._evictable[priority].move_to_end(block, last=False)
+        keys = self._order_keys[priority]
+        del keys[bisect.bisect_left(keys, self._order[block])]
+        self._order_ends[0] -= 1
+        self._order[block] = self._order_ends[0]
+        keys.insert(0, self._order_ends[0])
 
     def _dequeue(self, block: int) -> None:
         group = self._group_of.pop(block, None)
@@ -405,8 +437,11 @@ class BlockPool:
         priority = self._priority[block]
         queue = self._evictable[priority]
         del queue[block]
+        keys = self._order_keys[priority]
+        del keys[bisect.bisect_left(keys, self._order.pop(block))]
         if not queue:
             del self._evictable[priority]  # its heap entry is dropped lazily
+            del self._order_keys[priority]
         self._num_evictable -= 1
 
     def _free_front(self, block: int) -> None:
@@ -438,7 +473,7 @@ class BlockPool:
             for other in sorted(self._members.get(group, ()), reverse=True):
                 self._dequeue(other)
                 self._enqueue(other, min(self._levels_present()))
-                self._evictable[self._priority[other]].move_to_end(other, last=False)
+                self._to_front(other)
         h = self._unpublish(block)
         self.evictions += 1
         priority = self._priority[block]
@@ -523,6 +558,11 @@ class BlockPool:
                     fail(f"block {b} {st}: hash {h.hex()} maps to block {self._cached.get(h)}")
         if published != len(self._cached):
             fail(f"hash map has {len(self._cached)} entries for {published} published blocks")
+        for priority, queue in self._evictable.items():
+            if [self._order[b] for b in queue] != self._order_keys.get(priority):
+                fail(f"the order keys of priority {priority} do not follow its queue")
+        if set(self._order) != {b for q in self._evictable.values() for b in q} or set(self._order_keys) != set(self._evictable):
+            fail("order keys held for blocks or priorities that are not evictable")
         ghosts = sorted((n, p) for p, seqs in self._ghosts.items() for n in seqs)
         if ghosts != sorted(self._evicted.values()) or any(seqs != sorted(seqs) for seqs in self._ghosts.values()):
             fail("the ghost index does not match the eviction memory")

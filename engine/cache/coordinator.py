@@ -59,6 +59,9 @@ class FormLookup:
     ghost_bytes: int | None = None
     """The extra device memory for ``ghost_tokens`` (None: more memory would not have helped, or
     the loss is older than the pools remember)."""
+    spare_bytes: int | None = None
+    """When the form could resume (``usable_tokens`` > 0): how much less device memory it could
+    have had and still held what that resume reads (None: it resumes nowhere)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -221,7 +221,7 @@ class PrefixCache:
         forms: list[CacheForm] = list(self.kv_forms)
         forms += [f for f in (self.compressed, self.tail, self.indexer, self.linear) if f is not None]
         self.forms: tuple[CacheForm, ...] = tuple(forms)
-        self._bytes_per_block: dict[int, int] | None = None  # id(pool) → bytes per block, for ghosts
+        self._bytes_per_block: dict[int, float] | None = None  # id(pool) → its form's bytes per block of it (ghosts, spares)
         self.stored_revision = layout.revision
         """The weights every stored object was computed with (a stamp of the writer)."""
         self.stored_kernel_abi = KERNEL_ABI
@@ -503,23 +503,52 @@ class PrefixCache:
     """Resume points (every U tokens down from the target) a form's ghost search tries at most."""
 
     def _with_ghosts(self, plan: ResumePlan, hashes: Sequence[BlockHash], target: int, vetoed: Mapping[Form, Reason]) -> ResumePlan:
-        """Each form that lost tokens gets the resume point it would have had with more device
-        memory and how much more (``FormLookup.ghost_tokens`` / ``ghost_bytes``): the highest
-        point ≤ ``target`` whose every needed object is cached or was evicted recently, costing,
-        per pool, the deepest such eviction (:meth:`BlockPool.ghost_depth`) times the pool's
-        bytes per block. A vetoed form (a validation failure) gets none: memory would not help."""
+        """Each form that could resume gets how much less device memory would still have served
+        that resume (``FormLookup.spare_bytes``, :meth:`_spare`); each form that lost tokens, the
+        resume point it would have had with more device memory and how much more
+        (``FormLookup.ghost_tokens`` / ``ghost_bytes``): the highest
+        point ≤ ``target`` whose every needed object is cached or was evicted recently, costing the
+        largest over the pools of the deepest such eviction (:meth:`BlockPool.ghost_depth`) in
+        form bytes (a form's memory grows over its pools in proportion to their size: one block
+        of a pool stands for the form's bytes over the pool's blocks). A vetoed form (a validation failure) gets none: memory would not help."""
         if self._bytes_per_block is None:
-            self._bytes_per_block = {id(pool): size for _, pool, _, size, _ in self.pool_entries()}
+            # a form's memory is taken to grow or shrink over its pools in proportion to their
+            # size, so one block of a pool stands for form bytes / the pool's blocks
+            entries = self.pool_entries()
+            form_bytes: Counter[Form] = Counter()
+            for form_of, pool, _, size, _ in entries:
+                form_bytes[form_of] += pool.num_blocks * size
+            self._bytes_per_block = {id(pool): form_bytes[form_of] / pool.num_blocks for form_of, pool, _, _, _ in entries}
         by_form = {f.form: f for f in self.forms}
         forms = []
         for lookup in plan.forms:
             form = by_form[lookup.form]
-            if lookup.usable_tokens >= target or lookup.form in vetoed:
+            if lookup.form in vetoed:
                 forms.append(lookup)
                 continue
-            ghost = self._ghost(form, hashes, target, lookup.usable_tokens)
-            forms.append(lookup if ghost is None else dataclasses.replace(lookup, ghost_tokens=ghost[0], ghost_bytes=ghost[1]))
+            if lookup.usable_tokens > 0:
+                lookup = dataclasses.replace(lookup, spare_bytes=self._spare(form, hashes, lookup.usable_tokens))
+            if lookup.usable_tokens < target:
+                ghost = self._ghost(form, hashes, target, lookup.usable_tokens)
+                if ghost is not None:
+                    lookup = dataclasses.replace(lookup, ghost_tokens=ghost[0], ghost_bytes=ghost[1])
+            forms.append(lookup)
         return dataclasses.replace(plan, forms=tuple(forms))
+
+    def _spare(self, form: CacheForm, hashes: Sequence[BlockHash], usable: int) -> int:
+        """The device memory ``form`` could lose and still hold every object a resume at
+        ``usable`` reads: per pool, the fewest spare blocks among those objects
+        (:meth:`BlockPool.spare_blocks`) in form bytes (a form's memory shrinks over its pools in
+        proportion to their size); the smallest over the pools."""
+        assert self._bytes_per_block is not None
+        spare: dict[int, int] = {}
+        for pool, h in form.needed_keys(hashes, usable):
+            blocks = pool.spare_blocks(h)
+            if blocks is not None:
+                spare[id(pool)] = min(spare.get(id(pool), blocks), blocks)
+        if not spare:  # read from nothing on the device (e.g. swapped in): no device memory at stake
+            return round(max(pool.num_blocks * self._bytes_per_block[id(pool)] for pool in form.pools))
+        return round(min(n * self._bytes_per_block[pool] for pool, n in spare.items()))
 
     def _ghost(self, form: CacheForm, hashes: Sequence[BlockHash], target: int, usable: int) -> tuple[int, int] | None:
         u = self.unit_tokens
@@ -536,7 +565,7 @@ class PrefixCache:
             else:
                 if not deepest:  # everything there, yet the form could not resume: memory is not why
                     return None
-                return cand, sum(n * self._bytes_per_block[pool] for pool, n in deepest.items())
+                return cand, max(1, round(max(n * self._bytes_per_block[pool] for pool, n in deepest.items())))
         return None
 
     def _tail_replay(

@@ -185,6 +185,12 @@ MALFORMED: list[tuple[str, Any, str, str]] = [
         "must exceed usable_tokens",
     ),
     (
+        "spare memory without usable tokens",
+        lambda b: json_body(batch(2, _with(known_events(b), 0, usable_tokens=0, recoverable_tokens=0, spare_bytes=4096))),
+        "$.events[0].spare_bytes",
+        "only a lookup with usable tokens has spare memory",
+    ),
+    (
         "engine_id mismatch",
         lambda b: json_body(batch(2, _with(known_events(b), 3, engine_id="e9"))),
         "$.events[3].engine_id",

@@ -95,22 +95,23 @@ def request(rid: str, resume: int) -> dict[str, object]:
     }  # fmt: skip
 
 
-def lookup(rid: str, form: str, usable: int, ghost_tokens: int = 0, ghost_mib: float | None = None) -> dict[str, object]:
+def lookup(rid: str, form: str, usable: int, ghost_tokens: int = 0, ghost_mib: float | None = None, spare_mib: float | None = None) -> dict[str, object]:
     lost = ghost_mib is not None
     return {
         "kind": "cache_lookup", "ts": NOW - 6, "engine_id": "e1", "request_id": rid, "model": "m1", "form": form, "tier": "device",
         "outcome": "invalidated" if lost else "hit", "reason": "swa_evicted" if lost else "none", "hash_hit_tokens": 1000,
         "usable_tokens": usable, "recoverable_tokens": usable, "ghost_tokens": ghost_tokens,
-        "ghost_bytes": int(ghost_mib * MiB) if lost else None,
+        "ghost_bytes": int(ghost_mib * MiB) if lost else None, "spare_bytes": None if spare_mib is None else int(spare_mib * MiB),
     }  # fmt: skip
 
 
 def test_what_if_more_memory(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
     """r1 resumed at 200 (its window evicted; 4 MiB more would have let it resume at 800), r2 at 0
-    (12 MiB more: 600). Recorded 200 of 2000 prompt tokens; +4 MiB: 800; +16 MiB: 1400."""
+    (12 MiB more: 600). Recorded 200 of 2000 prompt tokens; +4 MiB: 800; +16 MiB: 1400. What r1
+    read had 1 MiB to spare in the window pool and 2 MiB in full_kv."""
     events = [
-        lookup("r1", "full_kv", 800), lookup("r1", "swa_window", 200, 800, 4.0), request("r1", 200),
-        lookup("r2", "full_kv", 600), lookup("r2", "swa_window", 0, 600, 12.0), request("r2", 0),
+        lookup("r1", "full_kv", 800, spare_mib=2.0), lookup("r1", "swa_window", 200, 800, 4.0, spare_mib=1.0), request("r1", 200),
+        lookup("r2", "full_kv", 600, spare_mib=8.0), lookup("r2", "swa_window", 0, 600, 12.0), request("r2", 0),
     ]  # fmt: skip
     body = {"schema_version": 1, "engine_id": "e1", "seq": 5, "sent_at": NOW, "events": events}
     assert httpx.post(f"{agent.url}/v1/events", json=body, timeout=10).json()["status"] == "stored"
@@ -122,15 +123,24 @@ def test_what_if_more_memory(agent: RunningAgent, monkeypatch: pytest.MonkeyPatc
 
     assert figures() == {
         "Recorded recoverable hit rate": ("10.0%", None),
-        "With the extra memory": ("10.0%", "+0.0 pp"),
+        "With this memory": ("10.0%", "+0.0 pp"),
         "Model with no extra memory": ("10.0%", None),
     }
     ghosts = at.dataframe[1].value.set_index("form")
     assert ghosts.loc["swa_window", ["lost_lookups", "saved_by_memory", "ghost_mib_max", "ghost_gain_tokens"]].tolist() == [2, 2, 12.0, 1200]
     assert ghosts.loc["swa_window", "ghost_mib_p50"] == 8.0 and ghosts.loc["full_kv", "lost_lookups"] == 0
     at.number_input(key="whatif_swa_window").set_value(4.0).run()
-    assert figures()["With the extra memory"] == ("40.0%", "+30.0 pp")
+    assert figures()["With this memory"] == ("40.0%", "+30.0 pp")
     at.number_input(key="whatif_swa_window").set_value(16.0).run()
-    assert figures()["With the extra memory"] == ("70.0%", "+60.0 pp")
+    assert figures()["With this memory"] == ("70.0%", "+60.0 pp")
     at.number_input(key="whatif_full_kv").set_value(64.0).run()  # full_kv lost nothing: no change
-    assert figures()["With the extra memory"] == ("70.0%", "+60.0 pp")
+    assert figures()["With this memory"] == ("70.0%", "+60.0 pp")
+    # less memory: a lookup whose spare the cut exceeds resumes nowhere
+    at.number_input(key="whatif_full_kv").set_value(0.0).run()
+    at.number_input(key="whatif_swa_window").set_value(-0.5).run()  # r1's window had 1 MiB to spare
+    assert figures()["With this memory"] == ("10.0%", "+0.0 pp")
+    at.number_input(key="whatif_swa_window").set_value(-2.0).run()  # not 2 MiB: r1 recomputes too
+    assert figures()["With this memory"] == ("0.0%", "-10.0 pp")
+    at.number_input(key="whatif_swa_window").set_value(0.0).run()
+    at.number_input(key="whatif_full_kv").set_value(-4.0).run()  # r1's full_kv had 2 MiB to spare, r2's 8
+    assert figures()["With this memory"] == ("0.0%", "-10.0 pp")

@@ -327,9 +327,10 @@ def test_ghost_depths_skip_lower_priority_evictions() -> None:
     assert larger.present(b"H") and not larger.present(b"b")
 
 
-def test_ghost_depths_match_a_simulated_larger_lru_pool() -> None:
+def test_ghost_depths_and_spares_match_simulated_lru_pools() -> None:
     """Random stores and re-stores into a single-priority pool: a block's ghost depth d means a
-    pool d blocks larger (same stores) still holds it, and one d - 1 larger does not."""
+    pool d blocks larger (same stores) still holds it, and one d - 1 larger does not; a cached
+    block's spare s, that a pool s blocks smaller still holds it and one s + 1 smaller does not."""
     import random
 
     rng = random.Random(7)
@@ -358,3 +359,29 @@ def test_ghost_depths_match_a_simulated_larger_lru_pool() -> None:
         assert not run(3 + d - 1).present(h), (h, d)
         checked += 1
     assert checked >= 3
+    # the mirror: a cached block's spare s means a pool s smaller still holds it, s + 1 smaller not
+    large = run(8)
+    large.check_invariants()
+    checked = 0
+    for h in names:
+        spare = large.spare_blocks(h)
+        if spare is None:
+            continue
+        assert run(8 - spare).present(h), (h, spare)
+        if spare < 7:
+            assert not run(8 - spare - 1).present(h), (h, spare)
+        checked += 1
+    assert checked >= 5
+
+
+def test_spare_blocks_count_empty_lower_priority_and_earlier_blocks() -> None:
+    pool, _ = make_pool(6)  # 5 usable blocks
+    _store(pool, b"H", priority=1)
+    _store(pool, b"a")
+    _store(pool, b"b")
+    held = pool.allocate()
+    pool.publish(held, b"L")  # leased: outlives every other block
+    # one empty block; queue 0: a, b; queue 1: H
+    assert (pool.spare_blocks(b"a"), pool.spare_blocks(b"b"), pool.spare_blocks(b"H"), pool.spare_blocks(b"L")) == (1, 2, 3, 4)
+    assert pool.spare_blocks(b"nope") is None
+    pool.check_invariants()
