@@ -290,12 +290,16 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         version=7,
-        name="cache_lookups: the ghost resume point and the memory it needed, the spare memory (the Capacity what-if)",
+        name="cache_lookups: the ghost resume point and the memory it needed (the Capacity what-if)",
         statements=(
             "ALTER TABLE cache_lookups ADD COLUMN ghost_tokens BIGINT DEFAULT 0",
             "ALTER TABLE cache_lookups ADD COLUMN ghost_bytes BIGINT",
-            "ALTER TABLE cache_lookups ADD COLUMN spare_bytes BIGINT",
         ),
+    ),
+    Migration(
+        version=8,
+        name="cache_lookups: the spare memory of a resuming lookup (the Capacity what-if, less memory)",
+        statements=("ALTER TABLE cache_lookups ADD COLUMN spare_bytes BIGINT",),
     ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""

@@ -595,7 +595,7 @@ CAPACITY_WHATIF = NamedQuery(
         "The recorded requests of the window replayed against more or less device memory per "
         "form: with more, each lookup that lost tokens to evictions resumes at its ghost point "
         "when its ghost memory fits the form's extra MiB; with less, each lookup whose spare "
-        "memory the cut exceeds resumes nowhere (a lower bound: it may have had a lower point). A "
+        "memory the cut exceeds resumes nowhere (it may have had a lower point). Both are estimates. A "
         "request's resume point is the minimum over its forms, and the rates are Σ resume tokens "
         "/ Σ prompt tokens. replay_rate is the same with no change (how close the model comes to "
         "recorded_rate, what the engine did)."

@@ -117,7 +117,7 @@ def whatif_panel(client: object, filters: Filters) -> None:
         "More (or, negative, less) device memory per form, in MiB; the window's recorded requests are "
         "replayed against it. With more, a lookup that lost tokens to evictions resumes where it would "
         "have with enough memory; with less, a lookup that needed what the cut would have evicted "
-        "resumes nowhere (a lower bound). A request resumes at the minimum over its forms."
+        "resumes nowhere. A request resumes at the minimum over its forms. An estimate: see docs/agent.md."
     )
     columns = st.columns(3)
     extra = {f: columns[i % 3].number_input(f, value=0.0, step=16.0, key=f"whatif_{f}") for i, f in enumerate(FORMS)}

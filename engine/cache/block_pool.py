@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NoReturn, Protocol
 
 from engine.cache.hashing import BlockHash
@@ -177,21 +177,31 @@ class BlockPool:
         number, priority = entry
         return 1 + sum(len(seqs) - bisect.bisect_right(seqs, number) for p, seqs in self._ghosts.items() if p >= priority)
 
-    def spare_blocks(self, h: BlockHash) -> int | None:
-        """How many blocks smaller this pool could be and still hold ``h`` now: its empty blocks
-        plus the evictable blocks evicted before ``h`` (lower priorities, then those ahead of it in
-        its queue); a leased block outlives every empty and evictable one. None: ``h`` is not
-        cached here. With LRU's inclusion property (Mattson et al. 1970) a pool ``d`` blocks
-        smaller would hold ``h`` exactly when ``d`` is at most this: the mirror of
-        :meth:`ghost_depth`. O(priorities + log n)."""
-        block = self._cached.get(h)
-        if block is None:
+    def spare_blocks(self, hashes: Iterable[BlockHash]) -> int | None:
+        """How many blocks smaller this pool could be now and still hold every one of ``hashes``
+        it caches: the room left before an eviction (empty blocks, or what a cap leaves) plus the
+        evictable blocks evicted before the first of them to go (lower priorities, then those
+        ahead in its queue); a leased block outlives every evictable one. None: it caches none of
+        them. An estimate read off the pool as it is now (the mirror of :meth:`ghost_depth`, by
+        LRU's inclusion property, Mattson et al. 1970): a pool that much smaller all along would
+        have had its own history — leases taken and dropped, blocks freed — so this can be more
+        than it could really have spared. O(len(hashes) + priorities + log n)."""
+        first: tuple[int, int, int] | None = None  # (leased, priority, order key) of the first to go
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                continue
+            key = (1, 0, 0) if self.ref_count[block] > 0 else (0, self._priority[block], self._order[block])
+            if first is None or key < first:
+                first = key
+        if first is None:
             return None
-        if self.ref_count[block] > 0:
-            return len(self._empty) + self._num_evictable
-        priority = self._priority[block]
+        room = len(self._empty) if self.max_cached is None else max(0, min(len(self._empty), self.max_cached - self._num_evictable))
+        if first[0]:
+            return room + self._num_evictable
+        _, priority, order = first
         ahead = sum(len(q) for p, q in self._evictable.items() if p < priority)
-        return len(self._empty) + ahead + bisect.bisect_left(self._order_keys[priority], self._order[block])
+        return room + ahead + bisect.bisect_left(self._order_keys[priority], order)
 
     def _forget(self, number: int, priority: int) -> None:
         seqs = self._ghosts[priority]

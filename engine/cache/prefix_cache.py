@@ -541,14 +541,17 @@ class PrefixCache:
         (:meth:`BlockPool.spare_blocks`) in form bytes (a form's memory shrinks over its pools in
         proportion to their size); the smallest over the pools."""
         assert self._bytes_per_block is not None
-        spare: dict[int, int] = {}
+        needed: dict[int, tuple[BlockPool, list[BlockHash]]] = {}
         for pool, h in form.needed_keys(hashes, usable):
-            blocks = pool.spare_blocks(h)
-            if blocks is not None:
-                spare[id(pool)] = min(spare.get(id(pool), blocks), blocks)
+            needed.setdefault(id(pool), (pool, []))[1].append(h)
+        spare = [
+            blocks * self._bytes_per_block[key]
+            for key, (pool, keys) in needed.items()
+            if (blocks := pool.spare_blocks(keys)) is not None
+        ]
         if not spare:  # read from nothing on the device (e.g. swapped in): no device memory at stake
             return round(max(pool.num_blocks * self._bytes_per_block[id(pool)] for pool in form.pools))
-        return round(min(n * self._bytes_per_block[pool] for pool, n in spare.items()))
+        return round(min(spare))
 
     def _ghost(self, form: CacheForm, hashes: Sequence[BlockHash], target: int, usable: int) -> tuple[int, int] | None:
         u = self.unit_tokens

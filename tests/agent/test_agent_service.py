@@ -253,7 +253,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
     con.close()
     store = Store.open(path)
     try:
-        assert store.open_report.applied == (2, 3, 4, 5, 6, 7) and store.schema_version == SCHEMA_VERSION
+        assert store.open_report.applied == (2, 3, 4, 5, 6, 7, 8) and store.schema_version == SCHEMA_VERSION
         with store.cursor() as cur:  # migration 5: old alert rows are transitions
             assert cur.execute("SELECT state, event, receiver, error FROM alerts").fetchall() == [("firing", "transition", None, None)]
         resent = ingest_batch(store, decode_batch(json_body(batch(0, known_events(minute_start())))), received_at=utc_now())

@@ -364,7 +364,7 @@ def test_ghost_depths_and_spares_match_simulated_lru_pools() -> None:
     large.check_invariants()
     checked = 0
     for h in names:
-        spare = large.spare_blocks(h)
+        spare = large.spare_blocks([h])
         if spare is None:
             continue
         assert run(8 - spare).present(h), (h, spare)
@@ -382,6 +382,10 @@ def test_spare_blocks_count_empty_lower_priority_and_earlier_blocks() -> None:
     held = pool.allocate()
     pool.publish(held, b"L")  # leased: outlives every other block
     # one empty block; queue 0: a, b; queue 1: H
-    assert (pool.spare_blocks(b"a"), pool.spare_blocks(b"b"), pool.spare_blocks(b"H"), pool.spare_blocks(b"L")) == (1, 2, 3, 4)
-    assert pool.spare_blocks(b"nope") is None
+    assert [pool.spare_blocks([h]) for h in (b"a", b"b", b"H", b"L")] == [1, 2, 3, 4]
+    assert pool.spare_blocks([b"H", b"b", b"L"]) == 2  # b goes first of the three
+    assert pool.spare_blocks([b"nope"]) is None and pool.spare_blocks([b"nope", b"H"]) == 3
+    # a cap leaves no room: the empty block cannot hold a cached one
+    pool.limit_cached(3)
+    assert [pool.spare_blocks([h]) for h in (b"a", b"b", b"H")] == [0, 1, 2]
     pool.check_invariants()
