@@ -1,5 +1,10 @@
-"""Triton kernels for the CUDA path, one file per kernel with its plain-torch reference.
+"""Triton kernels for the CUDA path, one file per kernel with its plain-torch reference
+(``<name>_ref``); on CPU they run under Triton's interpreter (``TRITON_INTERPRET=1``) in tests.
 
-The engine runs its torch path on every device today; the kernels (paged attention, the
-compressor, the indexer, the gated delta rule, block copies) are added by the kernels work.
+* :mod:`kernels.kv_block_copy` — block gather/scatter between pools and staging buffers
+  (swap-out, swap-in) for every form's layout.
+
+Still to come (issue 9): paged decode and prefill attention, the compressor, the indexer's
+top-k, sparse compressed attention and the gated delta rule; the engine's CUDA path does not use
+any kernel yet.
 """
