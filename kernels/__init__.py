@@ -3,8 +3,10 @@
 
 * :mod:`kernels.kv_block_copy` — block gather/scatter between pools and staging buffers
   (swap-out, swap-in) for every form's layout.
+* :mod:`kernels.paged_decode_attention` — decode attention through a block table: GQA, sliding
+  window, attention sink, padding rows on the sentinel page skipped.
 
-Still to come (issue 9): paged decode and prefill attention, the compressor, the indexer's
-top-k, sparse compressed attention and the gated delta rule; the engine's CUDA path does not use
-any kernel yet.
+Still to come (issue 9): paged prefill attention, the compressor, the indexer's top-k, sparse
+compressed attention and the gated delta rule; the engine's CUDA path does not use any kernel
+yet.
 """
