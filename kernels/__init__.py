@@ -5,8 +5,10 @@
   (swap-out, swap-in) for every form's layout.
 * :mod:`kernels.paged_decode_attention` — decode attention through a block table: GQA, sliding
   window, attention sink, padding rows on the sentinel page skipped.
+* :mod:`kernels.paged_prefill_attention` — chunked prefill over the cached prefix and the chunk,
+  causal, varlen (``cu_seqlens``), GQA, sliding window.
 
-Still to come (issue 9): paged prefill attention, the compressor, the indexer's top-k, sparse
+Still to come (issue 9): the compressor, the indexer's top-k, sparse
 compressed attention and the gated delta rule; the engine's CUDA path does not use any kernel
 yet.
 """
