@@ -8,7 +8,10 @@
 * :mod:`kernels.paged_prefill_attention` — chunked prefill over the cached prefix and the chunk,
   causal, varlen (``cu_seqlens``), GQA, sliding window.
 
-Still to come (issue 9): the compressor, the indexer's top-k, sparse
+* :mod:`kernels.compressor` — DeepSeek-V4's gated pooling of groups of r rows into compressed
+  entries (overlapping CSA and plain HCA), and its decode step over static pending rows.
+
+Still to come (issue 9): the indexer's top-k, sparse
 compressed attention and the gated delta rule; the engine's CUDA path does not use any kernel
 yet.
 """
