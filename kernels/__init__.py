@@ -11,7 +11,9 @@
 * :mod:`kernels.compressor` — DeepSeek-V4's gated pooling of groups of r rows into compressed
   entries (overlapping CSA and plain HCA), and its decode step over static pending rows.
 
-Still to come (issue 9): the indexer's top-k, sparse
-compressed attention and the gated delta rule; the engine's CUDA path does not use any kernel
-yet.
+* :mod:`kernels.indexer_topk` — the lightning indexer's scores (ReLU per head, weighted, summed,
+  causal at compressed granularity) and its top-k, ties to the earlier entry.
+
+Still to come (issue 9): sparse compressed attention and the gated delta rule; the engine's
+CUDA path does not use any kernel yet.
 """
