@@ -14,6 +14,9 @@
 * :mod:`kernels.indexer_topk` — the lightning indexer's scores (ReLU per head, weighted, summed,
   causal at compressed granularity) and its top-k, ties to the earlier entry.
 
-Still to come (issue 9): sparse compressed attention and the gated delta rule; the engine's
-CUDA path does not use any kernel yet.
+* :mod:`kernels.sparse_compressed_attention` — DeepSeek-V4's window-plus-compressed attention
+  (CSA's selected entries or HCA's ended groups), shared K = V, learned sinks.
+
+Still to come (issue 9): the gated delta rule; the engine's CUDA path does not use any kernel
+yet.
 """
