@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from engine.model.deepseek_v4_attention import sink_attention
-from kernels.sparse_compressed_attention import sparse_compressed_attention, sparse_compressed_attention_ref
+from kernels.sparse_compressed_attention import (
+    sparse_compressed_attention,
+    sparse_compressed_attention_ref,
+)
 from tests.helpers import TOLERANCE
 
 RATIO, WINDOW = 4, 16
