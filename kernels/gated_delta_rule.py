@@ -38,7 +38,7 @@ def _recurrent_kernel(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt, s_ot, s_oh,
     HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    i_n = tl.program_id(0)
+    i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     first = tl.load(cu_ptr + i_n).to(tl.int64)
@@ -74,8 +74,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(-1) != 1:
             raise ValueError(f"{name} must be a float tensor contiguous in its last dim; got {x.dtype}, strides {x.stride()}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be int32 [N+1] with N >= 1; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2 or not cu_seqlens.is_contiguous():
+        raise ValueError(f"cu_seqlens must be a contiguous int32 [N+1] with N >= 1; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != t or bool((cu_seqlens.diff() < 0).any()):
         raise ValueError(f"cu_seqlens must rise from 0 to T={t}")
     n = cu_seqlens.numel() - 1

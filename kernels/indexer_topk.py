@@ -37,7 +37,7 @@ def _score_kernel(
     s_qt, s_qh, s_kn, s_wt, s_ot,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    i_t = tl.program_id(0)
+    i_t = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < num_keys
@@ -56,7 +56,7 @@ def _score_kernel(
 
 @triton.jit
 def _topk_kernel(scores_ptr, idx_ptr, valid_ptr, num_keys, k, s_st, s_it, N_PAD: tl.constexpr):
-    i_t = tl.program_id(0)
+    i_t = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, N_PAD)
     m_n = o_n < num_keys
     b_s = tl.load(scores_ptr + i_t * s_st + o_n, mask=m_n, other=float("-inf"))
@@ -82,8 +82,8 @@ def _check(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions
     t, h, _ = q.shape
     if weights.shape != (t, h) or weights.dtype != torch.float32:
         raise ValueError(f"weights must be float32 [T={t}, H_I={h}]; got {weights.dtype} {tuple(weights.shape)}")
-    if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be int32/int64 [T={t}]; got {positions.dtype} {tuple(positions.shape)}")
+    if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64) or not positions.is_contiguous():
+        raise ValueError(f"positions must be a contiguous int32/int64 [T={t}]; got {positions.dtype} {tuple(positions.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or keys.dtype != q.dtype:
         raise ValueError(f"q and keys must share one float dtype; got {q.dtype}, {keys.dtype}")
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or weights.stride(-1) != 1:

@@ -56,8 +56,8 @@ def _check(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids:
         if t[0:1].numel() and not t[0].is_contiguous():
             raise ValueError(f"{name}'s blocks must be contiguous behind the block index (strides {t.stride()})")
     for name, ids, rows in (("src_ids", src_ids, src.shape[0]), ("dst_ids", dst_ids, dst.shape[0])):
-        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be a 1-D int32 or int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D int32 or int64 tensor, got {ids.dtype} {tuple(ids.shape)} strides {ids.stride()}")
         if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < rows):
             raise ValueError(f"{name} must index rows 0..{rows - 1}, got {int(ids.min())}..{int(ids.max())}")
     if src_ids.numel() != dst_ids.numel():

@@ -42,7 +42,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    i_b = tl.program_id(0)
+    i_b = tl.program_id(0).to(tl.int64)
     i_g = tl.program_id(1)
     o_h = i_g * GROUP + tl.arange(0, G_PAD)  # the group's query heads
     m_h = tl.arange(0, G_PAD) < GROUP
@@ -105,8 +105,8 @@ def _check(
             raise ValueError(f"{name}'s head dim must be contiguous (strides {t.stride()})")
     if block_tables.dim() != 2 or block_tables.shape[0] != b or block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         raise ValueError(f"block_tables must be a row-contiguous int32 [B={b}, max_blocks] tensor; got {block_tables.dtype} {tuple(block_tables.shape)}")
-    if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32:
-        raise ValueError(f"seq_lens must be an int32 [B={b}] tensor; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be a contiguous int32 [B={b}] tensor; got {seq_lens.dtype} {tuple(seq_lens.shape)} strides {seq_lens.stride()}")
     if b and int(seq_lens.max()) > block_tables.shape[1] * page:
         raise ValueError(f"a sequence of {int(seq_lens.max())} tokens does not fit {block_tables.shape[1]} pages of {page}")
     if b and (int(seq_lens.min()) < 0 or (block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks)):

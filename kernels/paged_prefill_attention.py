@@ -43,8 +43,8 @@ def _paged_prefill_kernel(
     i_h = tl.program_id(1)
     i_m = tl.program_id(2)
     i_g = i_h // GROUP
-    first = tl.load(cu_ptr + i_b)
-    n_new = tl.load(cu_ptr + i_b + 1) - first
+    first = tl.load(cu_ptr + i_b).to(tl.int64)
+    n_new = tl.load(cu_ptr + i_b + 1).to(tl.int64) - first
     if i_m * BLOCK_M >= n_new:
         return
     seq_len = tl.load(lens_ptr + i_b)
@@ -105,8 +105,11 @@ def _check(
     n = block_tables.shape[0] if block_tables.dim() == 2 else -1
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         raise ValueError(f"block_tables must be a row-contiguous int32 [N, max_blocks] tensor; got {block_tables.dtype} {tuple(block_tables.shape)}")
-    if seq_lens.shape != (n,) or seq_lens.dtype != torch.int32 or cu_seqlens.shape != (n + 1,) or cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"seq_lens must be int32 [N={n}] and cu_seqlens int32 [N+1={n + 1}]; got {tuple(seq_lens.shape)}, {tuple(cu_seqlens.shape)}")
+    if (
+        seq_lens.shape != (n,) or seq_lens.dtype != torch.int32 or cu_seqlens.shape != (n + 1,) or cu_seqlens.dtype != torch.int32
+        or not seq_lens.is_contiguous() or not cu_seqlens.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(f"seq_lens must be contiguous int32 [N={n}] and cu_seqlens contiguous int32 [N+1={n + 1}]; got {tuple(seq_lens.shape)}, {tuple(cu_seqlens.shape)}")
     new = cu_seqlens.diff()
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != t or bool((new < 0).any()):
         raise ValueError(f"cu_seqlens must rise from 0 to T={t}")

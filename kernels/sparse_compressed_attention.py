@@ -15,7 +15,8 @@ where the sink only adds ``exp(sink_h)`` to the denominator (gpt-oss's learned s
 
 Layouts: ``q``, ``out``: ``[T, H, D]``; ``window_kv``: ``[S, D]`` (the window's rows, stored
 positions ``window_positions [S]``); ``entries``: ``[N, D]``; ``positions``: ``[T]`` int;
-``indices`` ``[T, K]`` int32 and ``valid`` ``[T, K]`` bool for CSA (None for HCA, which then
+``indices`` ``[T, K]`` int32 (distinct within a row among the valid slots, as a top-k gives
+them) and ``valid`` ``[T, K]`` bool for CSA (None for HCA, which then
 needs ``ratio``); ``sinks``: ``[H]`` float32. One program per (query, tile of ``BLOCK_H`` heads)
 walks the window rows and then the entries with an online softmax in fp32.
 """
@@ -49,11 +50,11 @@ def _online_step(b_q, b_k, m_key, b_m, b_l, b_acc, scale):
 def _sparse_kernel(
     q_ptr, win_ptr, win_pos_ptr, ent_ptr, pos_ptr, idx_ptr, valid_ptr, sinks_ptr, out_ptr,
     num_window, num_entries, num_selected, window, ratio, scale,
-    s_qt, s_qh, s_win, s_ent, s_it, s_ot, s_oh,
+    s_qt, s_qh, s_win, s_ent, s_it, s_vt, s_ot, s_oh,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
     SELECTED: tl.constexpr,
 ):  # fmt: skip
-    i_t = tl.program_id(0)
+    i_t = tl.program_id(0).to(tl.int64)
     i_hb = tl.program_id(1)
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < HEADS
@@ -76,7 +77,7 @@ def _sparse_kernel(
         for i_s in range(0, num_selected, BLOCK_S):
             o_i = i_s + o_s
             m_i = o_i < num_selected
-            b_valid = tl.load(valid_ptr + i_t * s_it + o_i, mask=m_i, other=0) != 0
+            b_valid = tl.load(valid_ptr + i_t * s_vt + o_i, mask=m_i, other=0) != 0
             b_idx = tl.load(idx_ptr + i_t * s_it + o_i, mask=m_i, other=0).to(tl.int64)
             m_key = m_i & b_valid
             b_k = tl.load(ent_ptr + b_idx[:, None] * s_ent + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0).to(tl.float32)
@@ -103,8 +104,11 @@ def _check(
         raise ValueError(f"q, window_kv and entries must share one float dtype; got {q.dtype}, {window_kv.dtype}, {entries.dtype}")
     if q.stride(-1) != 1 or window_kv.stride(-1) != 1 or entries.stride(-1) != 1:
         raise ValueError("q, window_kv and entries must be contiguous in their last dim")
-    if window_positions.shape != window_kv.shape[:1] or positions.shape != (t,) or window_positions.is_floating_point() or positions.is_floating_point():
-        raise ValueError("window_positions must be integers [S] and positions integers [T]")
+    if (
+        window_positions.shape != window_kv.shape[:1] or positions.shape != (t,) or window_positions.is_floating_point()
+        or positions.is_floating_point() or not window_positions.is_contiguous() or not positions.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError("window_positions must be contiguous integers [S] and positions contiguous integers [T]")
     if sinks.shape != (h,) or sinks.dtype != torch.float32:
         raise ValueError(f"sinks must be float32 [H={h}]; got {sinks.dtype} {tuple(sinks.shape)}")
     if window < 1:
@@ -115,8 +119,8 @@ def _check(
         if ratio is None or ratio < 1:
             raise ValueError("HCA (no indices) needs ratio >= 1")
     elif valid is not None:
-        if indices.dim() != 2 or indices.shape[0] != t or indices.dtype != torch.int32 or valid.shape != indices.shape or valid.dtype != torch.bool:
-            raise ValueError(f"indices must be int32 [T={t}, K] and valid bool of the same shape; got {indices.dtype} {tuple(indices.shape)}, {valid.dtype} {tuple(valid.shape)}")
+        if indices.dim() != 2 or indices.shape[0] != t or indices.dtype != torch.int32 or valid.shape != indices.shape or valid.dtype != torch.bool or indices.stride(-1) != 1:
+            raise ValueError(f"indices must be int32 [T={t}, K] (row-major) and valid bool of the same shape; got {indices.dtype} {tuple(indices.shape)}, {valid.dtype} {tuple(valid.shape)}")
         if bool(valid.any()) and not 0 <= int(indices[valid].min()) <= int(indices[valid].max()) < entries.shape[0]:
             raise ValueError(f"a valid index is outside 0..{entries.shape[0] - 1}")
     tensors = [q, window_kv, window_positions, entries, positions, sinks, *(x for x in (indices, valid) if x is not None)]
@@ -144,11 +148,12 @@ def sparse_compressed_attention(
         return out
     selected = indices is not None
     idx = indices if indices is not None else positions
-    val = valid.to(torch.int8) if valid is not None else positions
+    val = valid.to(torch.int8).contiguous() if valid is not None else positions
     _sparse_kernel[(t, triton.cdiv(h, BLOCK_H))](
         q, window_kv, window_positions, entries, positions, idx, val, sinks, out,
         window_kv.shape[0], entries.shape[0], indices.shape[1] if indices is not None else 0, window, ratio or 1, scale,
-        q.stride(0), q.stride(1), window_kv.stride(0), entries.stride(0), idx.stride(0) if selected else 0, out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), window_kv.stride(0), entries.stride(0), idx.stride(0) if selected else 0,
+        val.stride(0) if selected else 0, out.stride(0), out.stride(1),
         HEADS=h, HEAD_DIM=d, D_PAD=max(triton.next_power_of_2(d), 16), BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, SELECTED=selected,
     )  # fmt: skip
     return out

@@ -66,7 +66,7 @@ def test_within_one_pool_and_empty_copies(device: str) -> None:
     [
         ("dtype", "src is torch.float32 but dst is torch.float16"),
         ("block shape", "must share their block shape"),
-        ("ids dtype", "must be a 1-D int32 or int64 tensor"),
+        ("ids dtype", "must be a contiguous 1-D int32 or int64 tensor"),
         ("id out of range", "must index rows 0..5"),
         ("lengths", "src_ids has 2 ids but dst_ids 1"),
         ("repeated destination", "dst_ids repeats a row"),
