@@ -495,15 +495,14 @@ class PrefixCache:
         failure = check_granularity(plan.resume_tokens, self.unit_tokens)
         if failure is not None:
             raise RuntimeError(f"resume point {plan.resume_tokens} fails validation: {failure}")
-        if hit:
-            plan = self._with_ghosts(plan, hashes, min(hit, resume_limit(prompt_tokens, self.unit_tokens)), reasons)
         return plan
 
     GHOST_CANDIDATES = 64
     """Resume points (every U tokens down from the target) a form's ghost search tries at most."""
 
-    def _with_ghosts(self, plan: ResumePlan, hashes: Sequence[BlockHash], target: int, vetoed: Mapping[Form, Reason]) -> ResumePlan:
-        """Each form that could resume gets how much less device memory would still have served
+    def _with_ghosts(self, plan: ResumePlan, hashes: Sequence[BlockHash], vetoes: Mapping[Form, Reason] | None) -> ResumePlan:
+        """The admitted plan with, for the telemetry's Capacity what-if (run once per request,
+        on the plan :meth:`admit` returns, not on every candidate :meth:`lookup` makes): each form that could resume gets how much less device memory would still have served
         that resume (``FormLookup.spare_bytes``, :meth:`_spare`); each form that lost tokens, the
         resume point it would have had with more device memory and how much more
         (``FormLookup.ghost_tokens`` / ``ghost_bytes``): the highest
@@ -511,6 +510,10 @@ class PrefixCache:
         largest over the pools of the deepest such eviction (:meth:`BlockPool.ghost_depth`) in
         form bytes (a form's memory grows over its pools in proportion to their size: one block
         of a pool stands for the form's bytes over the pool's blocks). A vetoed form (a validation failure) gets none: memory would not help."""
+        if not plan.hash_hit_tokens:
+            return plan
+        target = min(plan.hash_hit_tokens, resume_limit(plan.prompt_tokens, self.unit_tokens))
+        vetoed = set(self.validation_failures()) | set(vetoes or {})  # memory would not help these
         if self._bytes_per_block is None:
             # a form's memory is taken to grow or shrink over its pools in proportion to their
             # size, so one block of a pool stands for form bytes / the pool's blocks
@@ -714,10 +717,11 @@ class PrefixCache:
 
         if best is swap_option and swap is not None:
             plan = self._run_swap_in(hashes, prompt_tokens, output_tokens, vetoes, swap, device, best)
-            return Admitted(plan=plan, admission=Admission.SWAP_IN, predicted_seconds=predicted)
+            return Admitted(plan=self._with_ghosts(plan, hashes, vetoes), admission=Admission.SWAP_IN, predicted_seconds=predicted)
         chosen = next(p for c, p in options if c is best)
+        used_vetoes = vetoes
         if chosen is None:  # cold: nothing reused
-            cold = dict.fromkeys((f.form for f in self.forms), Reason.ADMISSION_RECOMPUTE_CHEAPER)
+            used_vetoes = cold = dict.fromkeys((f.form for f in self.forms), Reason.ADMISSION_RECOMPUTE_CHEAPER)
             chosen = self.lookup(hashes, prompt_tokens, cold, output_tokens=output_tokens, replay=False)
         plan = chosen
         relabel: dict[Form, Reason] = {}
@@ -730,6 +734,7 @@ class PrefixCache:
         if admission is not Admission.TAIL_REPLAY and swap is not None and plan.resume_tokens:
             admission = Admission.LOWER_RESUME
         self.recovery.acquire(0, plan.replayed_tokens)
+        plan = self._with_ghosts(plan, hashes, used_vetoes)
         return Admitted(plan=plan, admission=admission, predicted_seconds=predicted, held_replay_tokens=plan.replayed_tokens)
 
     def _chunks(self, prompt_tokens: int, plan: ResumePlan) -> int:
