@@ -40,6 +40,7 @@ from engine.events import (
 from engine.faults import Faults
 from engine.loader import load_model
 from engine.model.base import ModelLayout
+from engine.model.kernel_backend import resolve_kernel_backend, set_kernel_backend
 from engine.outputs import CacheReport, RequestOutput, ScoreOutput
 from engine.sampling import Sampler, SamplingParams
 from engine.telemetry import EventSink, NullSink, TelemetryClient
@@ -95,6 +96,9 @@ class LLM:
         cost_model: the admission's per-token costs and tier bandwidths; None: measured on this
             device at the first request when there is a choice to price (tiers or Tail-Replay
             enabled), else plans are ranked by how deep they resume.
+        kernel_backend: ``"auto"`` (the Triton kernels on CUDA, torch elsewhere), ``"torch"``
+            or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests); see
+            :mod:`engine.model.kernel_backend`.
 
     Raises:
         ValueError: an unknown model name or an invalid cache configuration.
@@ -112,6 +116,7 @@ class LLM:
         block_events: bool = False,
         faults: Faults | None = None,
         cost_model: CostModel | None = None,
+        kernel_backend: str = "auto",
     ) -> None:
         self.device = resolve_device(device)
         loaded = load_model(model, self.device)
@@ -125,6 +130,9 @@ class LLM:
         self.engine_id = engine_id or default_engine_id()
         self.cache = PrefixCache.planned(self.layout, self.cache_config, self.model_name, self.device, torch.float32)
         try:
+            self.kernel_backend = resolve_kernel_backend(kernel_backend, self.device, self.cache.unit_tokens)
+            """The backend the layers run on (``torch`` or ``triton``)."""
+            set_kernel_backend(self.model, self.kernel_backend)
             self._finish_init(telemetry, check_invariants, block_events, faults, cost_model)
         except BaseException:
             if self.cache.tiers is not None:

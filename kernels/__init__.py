@@ -17,9 +17,9 @@
 * :mod:`kernels.sparse_compressed_attention` — DeepSeek-V4's window-plus-compressed attention
   (CSA's selected entries or HCA's ended groups), shared K = V, learned sinks.
 
-* :mod:`kernels.gated_delta_rule` — Gated DeltaNet's fused recurrent rule on a varlen batch
-  (state in and out, in place optionally) and the causal conv's decode step.
+* :mod:`kernels.gated_delta_rule` — Gated DeltaNet's chunked prefill and fused recurrent forms
+  on a varlen batch (state in and out, in place optionally) and the causal conv's decode step.
 
-Still to come (issue 9): the gated delta rule's chunked prefill form, the benchmark, and the
-engine's CUDA path using the kernels (with the end-to-end interpreter test).
+The engine calls them through :mod:`engine.model.kernel_backend` (``LLM(kernel_backend=...)``;
+the default picks them on CUDA).
 """

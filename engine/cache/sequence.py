@@ -34,6 +34,7 @@ from engine.cache.forms import PagedKVForm, gather_pages
 from engine.cache.hashing import BlockHash, chain_hashes
 from engine.model.state import (
     AttentionKV,
+    AttentionPages,
     CompressedLayerSpec,
     CompressedLayerState,
     LinearLayerState,
@@ -58,6 +59,8 @@ class _ChunkPages:
     read_first: int  # offset of the first read token inside read_pages[0]
     read_tokens: int
     read_positions: Tensor  # [S]
+    block_table: Tensor  # [1, pages] int32, the whole table (the paged kernels' view)
+    end: int  # tokens stored once the chunk is written
 
 
 class PagedSequence:
@@ -104,6 +107,13 @@ class PagedSequence:
 
     # -- SequenceState --------------------------------------------------------------------------
     def attention_kv(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> AttentionKV:
+        plan = self._write_chunk(layer, positions, keys, values)
+        kv, slot = self.cache.kv_form_of_layer[layer].layer_slot[layer]
+        k, v = gather_pages(kv, plan.read_pages, slot, plan.read_first, plan.read_tokens)
+        return AttentionKV(k.to(keys.dtype), v.to(values.dtype), plan.read_positions)
+
+    def _write_chunk(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> _ChunkPages:
+        """Write the chunk's keys and values into the layer's pages (the slot mapping)."""
         if positions is not self._chunk_positions:
             raise RuntimeError("attention_kv called with positions other than the current chunk's")
         form = self.cache.kv_form_of_layer[layer]
@@ -111,8 +121,12 @@ class PagedSequence:
         kv, slot = form.layer_slot[layer]
         kv[plan.write_pages, slot, 0, plan.write_offsets] = keys.to(kv.dtype)
         kv[plan.write_pages, slot, 1, plan.write_offsets] = values.to(kv.dtype)
-        k, v = gather_pages(kv, plan.read_pages, slot, plan.read_first, plan.read_tokens)
-        return AttentionKV(k.to(keys.dtype), v.to(values.dtype), plan.read_positions)
+        return plan
+
+    def attention_pages(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> AttentionPages:
+        plan = self._write_chunk(layer, positions, keys, values)
+        kv, slot = self.cache.kv_form_of_layer[layer].layer_slot[layer]
+        return AttentionPages(kv[:, slot, 0], kv[:, slot, 1], plan.block_table, plan.end)
 
     def linear(self, layer: int) -> LinearLayerState:
         return self.linear_states[layer]
@@ -166,6 +180,8 @@ class PagedSequence:
                 read_first=first - first_page * u,
                 read_tokens=end - first,
                 read_positions=torch.arange(first, end, device=device),
+                block_table=table_t[None, : last_page + 1].to(torch.int32),
+                end=end,
             )
         self._chunk_positions = positions
         return positions

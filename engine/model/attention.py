@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from engine.config import HybridConfig
+from engine.model import kernel_backend as kb
 from engine.model.layers import apply_rotary
 from engine.model.state import SequenceState
 
@@ -26,8 +27,11 @@ def attention_mask(q_positions: Tensor, k_positions: Tensor, window: int | None)
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al. 2023) with rotary embeddings.
 
-    forward: ``x [T, C]``, ``positions [T]``, rotary tables ``[T, D]`` → ``[T, C]``.
+    forward: ``x [T, C]``, ``positions [T]``, rotary tables ``[T, D]`` → ``[T, C]``. With the
+    Triton backend the scores run in the paged kernels over the layer's pages.
     """
+
+    kernel_backend: kb.KernelBackend = "torch"
 
     def __init__(self, config: HybridConfig, layer: int, window: int | None) -> None:
         super().__init__()
@@ -50,6 +54,10 @@ class Attention(nn.Module):
         cos, sin = rope
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
+        if self.kernel_backend == "triton":
+            pages = state.attention_pages(self.layer, positions, k, v)
+            out = kb.paged_attention(q, pages, scale=self.head_dim**-0.5, window=self.window)
+            return self.o_proj(out.reshape(t, -1))
         kv = state.attention_kv(self.layer, positions, k, v)
         mask = attention_mask(positions, kv.positions, self.window)
         out = nn.functional.scaled_dot_product_attention(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from engine.model import kernel_backend as kb
 from engine.model.attention import attention_mask
 from engine.model.deepseek_v4_compressor import (
     Compressor,
@@ -34,7 +35,7 @@ from engine.model.deepseek_v4_compressor import (
 )
 from engine.model.deepseek_v4_config import DeepseekV4Config
 from engine.model.layers import RMSNorm
-from engine.model.state import CompressedLayerSpec, SequenceState
+from engine.model.state import AttentionKV, CompressedLayerSpec, CompressedLayerState, SequenceState
 
 
 class GroupedLinear(nn.Module):
@@ -79,7 +80,13 @@ class DeepseekV4Attention(nn.Module):
     Parameters (transformers' names): ``q_a_proj``, ``q_a_norm``, ``q_b_proj``, ``kv_proj``,
     ``kv_norm``, ``o_a_proj``, ``o_b_proj``, ``sinks [H]``, and for CSA/HCA ``compressor.*``
     (CSA: with ``compressor.indexer.*``).
+
+    With the Triton backend the attention runs in ``sparse_compressed_attention`` (window rows
+    plus the indexer's picks or HCA's ended groups), the compressors' pooling in
+    ``compress_pool`` and the indexer's choice in ``indexer_topk``.
     """
+
+    kernel_backend: kb.KernelBackend = "torch"
 
     def __init__(self, config: DeepseekV4Config, layer: int) -> None:
         super().__init__()
@@ -128,16 +135,61 @@ class DeepseekV4Attention(nn.Module):
         q = unweighted_rms_norm(self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim), self.eps)
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]
+        if self.kernel_backend == "triton":
+            out = self._kernel_attention(q, x, q_residual, positions, kv, state)
+        else:
+            out = self._torch_attention(q, x, q_residual, positions, kv, state)
+        out = apply_rope(out, cos, -sin)
+        grouped = self.o_a_proj(out.reshape(t, self.o_groups, -1))
+        return self.o_b_proj(grouped.flatten(1))
+
+    def _torch_attention(self, q: Tensor, x: Tensor, q_residual: Tensor, positions: Tensor, kv: Tensor, state: SequenceState) -> Tensor:
         if self.compressor is None:
             stored = state.attention_kv(self.layer, positions, kv[:, None], kv[:, None])
             keys = stored.keys[:, 0]
             visible = attention_mask(positions, stored.positions, self.window)
         else:
             keys, visible = self._window_and_compressed(self.compressor, x, q_residual, positions, kv, state)
-        out = sink_attention(q, keys, visible, self.sinks, self.scale)
-        out = apply_rope(out, cos, -sin)
-        grouped = self.o_a_proj(out.reshape(t, self.o_groups, -1))
-        return self.o_b_proj(grouped.flatten(1))
+        return sink_attention(q, keys, visible, self.sinks, self.scale)
+
+    def _kernel_attention(self, q: Tensor, x: Tensor, q_residual: Tensor, positions: Tensor, kv: Tensor, state: SequenceState) -> Tensor:
+        """The same attention through the kernels (the window rows stay gathered from the
+        layer's pages: the sparse kernel reads them as one ``[S, D]`` tensor)."""
+        compressor = self.compressor
+        if compressor is None:
+            stored = state.attention_kv(self.layer, positions, kv[:, None], kv[:, None])
+            entries = kv.new_zeros((0, self.head_dim))
+            return kb.compressed_attention(q, stored.keys[:, 0], stored.positions, entries, positions, self.sinks, scale=self.scale, window=self.window)
+        cstate, stored = self._advance(compressor, x, positions, kv, state)
+        entries = cstate.compressor.entries
+        if isinstance(compressor, CompressorWithIndexer):
+            assert cstate.indexer is not None  # checked by _advance
+            indices, valid = compressor.indexer.select_topk(x, q_residual, positions, cstate.indexer.entries)
+            return kb.compressed_attention(
+                q, stored.keys[:, 0], stored.positions, entries, positions, self.sinks, scale=self.scale, window=self.window,
+                indices=indices, valid=valid,
+            )  # fmt: skip
+        return kb.compressed_attention(
+            q, stored.keys[:, 0], stored.positions, entries, positions, self.sinks, scale=self.scale, window=self.window,
+            ratio=compressor.spec.ratio,
+        )  # fmt: skip
+
+    def _advance(self, compressor: Compressor, x: Tensor, positions: Tensor, kv: Tensor, state: SequenceState) -> tuple[CompressedLayerState, AttentionKV]:
+        """Store the chunk's window rows and advance the layer's compressed state (and its
+        indexer's) by the chunk; returns the state and the window's stored rows."""
+        cstate = state.compressed(self.layer, self.state_spec())
+        start, t = cstate.num_tokens, x.shape[0]
+        if int(positions[0]) != start:
+            raise RuntimeError(f"layer {self.layer}: chunk starts at {int(positions[0])}, its state holds {start} tokens")
+        # the local branch's rows (shared K = V) live with every other window's KV (swa_window)
+        stored = state.attention_kv(self.layer, positions, kv[:, None], kv[:, None])
+        compressor.update(x, cstate.compressor)
+        if isinstance(compressor, CompressorWithIndexer):
+            if cstate.indexer is None:
+                raise RuntimeError(f"layer {self.layer}: CSA state without its indexer state")
+            compressor.indexer.update(x, cstate.indexer)
+        cstate.num_tokens = start + t
+        return cstate, stored
 
     def _window_and_compressed(
         self,
@@ -150,24 +202,13 @@ class DeepseekV4Attention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Keys ``[S, D]`` = the window rows then the compressed entries, and ``visible
         [T, S]``; advances the layer's compressed state by the chunk."""
-        cstate = state.compressed(self.layer, self.state_spec())
-        start, t = cstate.num_tokens, x.shape[0]
-        if int(positions[0]) != start:
-            raise RuntimeError(f"layer {self.layer}: chunk starts at {int(positions[0])}, its state holds {start} tokens")
-        # the local branch's rows (shared K = V) live with every other window's KV (swa_window)
-        stored = state.attention_kv(self.layer, positions, kv[:, None], kv[:, None])
-        window_keys = stored.keys[:, 0]
+        cstate, stored = self._advance(compressor, x, positions, kv, state)
         window_visible = attention_mask(positions, stored.positions, self.window)
-
-        compressor.update(x, cstate.compressor)
         entries = cstate.compressor.entries
         if isinstance(compressor, CompressorWithIndexer):
-            if cstate.indexer is None:
-                raise RuntimeError(f"layer {self.layer}: CSA state without its indexer state")
-            compressor.indexer.update(x, cstate.indexer)
+            assert cstate.indexer is not None  # checked by _advance
             compressed_visible = compressor.indexer.select(x, q_residual, positions, cstate.indexer.entries)
         else:
             visible_count = torch.div(positions + 1, compressor.spec.ratio, rounding_mode="floor")
             compressed_visible = torch.arange(entries.shape[0], device=x.device)[None, :] < visible_count[:, None]
-        cstate.num_tokens = start + t
-        return torch.cat((window_keys, entries)), torch.cat((window_visible, compressed_visible), dim=1)
+        return torch.cat((stored.keys[:, 0], entries)), torch.cat((window_visible, compressed_visible), dim=1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from engine.model import kernel_backend as kb
 from engine.model.deepseek_v4_config import DeepseekV4Config
 from engine.model.layers import RMSNorm
 from engine.model.state import CompressorSpec, CompressorState
@@ -73,6 +74,8 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(spec.ratio, f, dtype=torch.float32))
         self.kv_norm = RMSNorm(spec.head_dim, eps)
 
+    kernel_backend: kb.KernelBackend = "torch"
+
     def update(self, x: Tensor, state: CompressorState) -> None:
         """Append the rows of ``x [T, C]`` to ``state``; every group they complete becomes an
         entry (appended to ``state.entries``), the rest stays pending. Mutates ``state``."""
@@ -83,6 +86,17 @@ class Compressor(nn.Module):
         usable = n_new * r
         state.pending_kv, state.pending_gate = kv[usable:].clone(), gate[usable:].clone()
         if n_new == 0:
+            return
+        if self.kernel_backend == "triton":
+            prev = state.prev_kv.shape[0] > 0
+            pooled = kb.compress_pool(
+                kv[:usable], gate[:usable], self.position_bias, overlapping=self.spec.overlapping,
+                prev_kv=state.prev_kv.contiguous() if prev else None, prev_gate=state.prev_gate.to(kv.dtype).contiguous() if prev else None,
+            )  # fmt: skip
+            if self.spec.overlapping:
+                state.prev_kv = kv[usable - r : usable, :d].clone()
+                state.prev_gate = gate[usable - r : usable, :d].clone()
+            self._append_entries(pooled, state, n_new)
             return
         group_kv = kv[:usable].view(n_new, r, -1)
         group_gate_raw = gate[:usable].view(n_new, r, -1)
@@ -103,11 +117,13 @@ class Compressor(nn.Module):
             state.prev_gate = group_gate_raw[-1, :, :d].clone()
             group_kv, group_gate = slot_kv, slot_gate
         weights = group_gate.softmax(dim=1, dtype=torch.float32).to(group_kv.dtype)
-        pooled = self.kv_norm((group_kv * weights).sum(dim=1))
-        first = state.num_entries
-        positions = (torch.arange(n_new, device=x.device) + first) * r
+        self._append_entries((group_kv * weights).sum(dim=1), state, n_new)
+
+    def _append_entries(self, pooled: Tensor, state: CompressorState, n_new: int) -> None:
+        """Norm and rotate ``pooled [n_new, D]`` (entry w at position ``w·r``) onto the entries."""
+        positions = (torch.arange(n_new, device=pooled.device) + state.num_entries) * self.spec.ratio
         cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta)
-        state.entries = torch.cat((state.entries, apply_rope(pooled, cos, sin)))
+        state.entries = torch.cat((state.entries, apply_rope(self.kv_norm(pooled), cos, sin)))
 
 
 class IndexerScorer(nn.Module):
@@ -169,6 +185,17 @@ class Indexer(Compressor):
         top = order[:, : min(self.index_topk, n)]  # [T, k]
         chosen = torch.zeros((t, n), dtype=torch.bool, device=x.device)
         return chosen.scatter_(1, top, top < visible_count[:, None])
+
+
+    def select_topk(self, x: Tensor, q_residual: Tensor, positions: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`select` through the ``indexer_topk`` kernel (the Triton backend): the chosen
+        entries as ``(indices [T, min(index_topk, N)] int32, valid [T, min(index_topk, N)]
+        bool)``, the same choice, ties included."""
+        t = x.shape[0]
+        cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta)
+        q = apply_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.spec.head_dim), cos, sin)
+        weights = self.scorer.weights_proj(x).float() * self.scorer.weights_scaling
+        return kb.indexer_topk(q, keys, weights, positions, ratio=self.spec.ratio, k=self.index_topk, scale=self.scorer.softmax_scale)
 
 
 class CompressorWithIndexer(Compressor):

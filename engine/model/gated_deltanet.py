@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.config import HybridConfig
+from engine.model import kernel_backend as kb
 from engine.model.state import LinearLayerState, SequenceState
 
 CHUNKED_MIN_TOKENS = 32
@@ -139,6 +140,8 @@ class GatedDeltaNet(nn.Module):
     """One ``linear_attention`` layer. forward: ``x [T, C]`` → ``[T, C]``; reads and replaces
     the sequence's :class:`LinearLayerState` for this layer."""
 
+    kernel_backend: kb.KernelBackend = "torch"
+
     def __init__(self, config: HybridConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -176,7 +179,11 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         layer_state: LinearLayerState = state.linear(self.layer)
         mixed = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
-        mixed, layer_state.conv = causal_conv1d(mixed, self.conv_weight, layer_state.conv)
+        triton = self.kernel_backend == "triton"
+        if triton:
+            mixed = kb.causal_conv1d(mixed, self.conv_weight, layer_state)
+        else:
+            mixed, layer_state.conv = causal_conv1d(mixed, self.conv_weight, layer_state.conv)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
@@ -188,8 +195,11 @@ class GatedDeltaNet(nn.Module):
         q, k = l2norm(q.float()), l2norm(k.float())
         beta = torch.sigmoid(self.b_proj(x).float())
         g = -self.A_log.float().exp() * nn.functional.softplus(self.a_proj(x).float() + self.dt_bias.float())
-        rule = chunk_gated_delta_rule if t >= CHUNKED_MIN_TOKENS else gated_delta_rule
-        o, layer_state.recurrent = rule(q, k, v, g, beta, layer_state.recurrent)
+        if triton:
+            o, layer_state.recurrent = kb.gated_delta_rule(q, k, v, g, beta, layer_state.recurrent)
+        else:
+            rule = chunk_gated_delta_rule if t >= CHUNKED_MIN_TOKENS else gated_delta_rule
+            o, layer_state.recurrent = rule(q, k, v, g, beta, layer_state.recurrent)
         z = self.z_proj(x).reshape(t, self.num_v_heads, self.head_v_dim).float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
         o = o * nn.functional.silu(z)

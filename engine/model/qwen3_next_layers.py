@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from engine.model import kernel_backend as kb
 from engine.model.attention import attention_mask
 from engine.model.gated_deltanet import (
     CHUNKED_MIN_TOKENS,
@@ -76,6 +77,8 @@ class Qwen3NextAttention(nn.Module):
     ``[T, C]``.
     """
 
+    kernel_backend: kb.KernelBackend = "torch"
+
     def __init__(self, config: Qwen3NextConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -99,16 +102,20 @@ class Qwen3NextAttention(nn.Module):
         q = apply_partial_rotary(self.q_norm(q), cos, sin)
         k = apply_partial_rotary(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
-        kv = state.attention_kv(self.layer, positions, k, v)
-        out = nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            kv.keys.transpose(0, 1).unsqueeze(0),
-            kv.values.transpose(0, 1).unsqueeze(0),
-            attn_mask=attention_mask(positions, kv.positions, None),
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        out = out.squeeze(0).transpose(0, 1).reshape(t, self.num_heads * d)
+        if self.kernel_backend == "triton":
+            pages = state.attention_pages(self.layer, positions, k, v)
+            out = kb.paged_attention(q, pages, scale=self.scale, window=None).reshape(t, self.num_heads * d)
+        else:
+            kv = state.attention_kv(self.layer, positions, k, v)
+            out = nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),
+                kv.keys.transpose(0, 1).unsqueeze(0),
+                kv.values.transpose(0, 1).unsqueeze(0),
+                attn_mask=attention_mask(positions, kv.positions, None),
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out = out.squeeze(0).transpose(0, 1).reshape(t, self.num_heads * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.num_heads * d)))
 
 
@@ -128,6 +135,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
     and recurrent ``[H_v, D_k, D_v]`` (transformers keeps ``[B, H_v, D_k, D_v]``); both are
     replaced after each chunk. forward: ``x [T, C]`` → ``[T, C]``.
     """
+
+    kernel_backend: kb.KernelBackend = "torch"
 
     def __init__(self, config: Qwen3NextConfig, layer: int) -> None:
         super().__init__()
@@ -181,7 +190,11 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         t = x.shape[0]
         layer_state: LinearLayerState = state.linear(self.layer)
         q, k, v, z, b, a = self._unpack_projections(x)
-        mixed, layer_state.conv = causal_conv1d(torch.cat((q, k, v), dim=-1), self.conv1d.weight[:, 0, :], layer_state.conv)
+        triton = self.kernel_backend == "triton"
+        if triton:
+            mixed = kb.causal_conv1d(torch.cat((q, k, v), dim=-1), self.conv1d.weight[:, 0, :], layer_state)
+        else:
+            mixed, layer_state.conv = causal_conv1d(torch.cat((q, k, v), dim=-1), self.conv1d.weight[:, 0, :], layer_state.conv)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
@@ -192,7 +205,10 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias.float())
-        rule = chunk_gated_delta_rule if t >= CHUNKED_MIN_TOKENS else gated_delta_rule
-        o, layer_state.recurrent = rule(q, k, v, g, beta, layer_state.recurrent)
+        if triton:
+            o, layer_state.recurrent = kb.gated_delta_rule(q, k, v, g, beta, layer_state.recurrent)
+        else:
+            rule = chunk_gated_delta_rule if t >= CHUNKED_MIN_TOKENS else gated_delta_rule
+            o, layer_state.recurrent = rule(q, k, v, g, beta, layer_state.recurrent)
         o = self.norm(o, z)
         return self.out_proj(o.reshape(t, self.value_dim).to(x.dtype))

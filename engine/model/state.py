@@ -25,6 +25,38 @@ class AttentionKV(NamedTuple):
     positions: Tensor
 
 
+class AttentionPages(NamedTuple):
+    """One sequence's keys and values of one attention layer as the paged kernels read them.
+
+    k_cache, v_cache: ``[num_blocks, P, H_kv, D]`` (any strides; a layer's slice of a pool).
+    block_table: ``[1, num_pages]`` int32, page ids in token order (pages before a sliding
+        window may be the sentinel page: the kernels never read them).
+    num_tokens: L, tokens stored, the chunk's included (its last position + 1).
+    """
+
+    k_cache: Tensor
+    v_cache: Tensor
+    block_table: Tensor
+    num_tokens: int
+
+
+PAGE_TOKENS = 16
+"""Page size :class:`DenseState` lays its keys out in for the paged kernels."""
+
+
+def as_pages(keys: Tensor, values: Tensor) -> AttentionPages:
+    """Contiguous ``keys / values [S, H_kv, D]`` (positions 0 … S−1) viewed as pages of
+    :data:`PAGE_TOKENS` rows (the last one zero-padded) with an identity block table."""
+    s = keys.shape[0]
+    pad = (-s) % PAGE_TOKENS
+    if pad:
+        keys = torch.cat((keys, keys.new_zeros((pad, *keys.shape[1:]))))
+        values = torch.cat((values, values.new_zeros((pad, *values.shape[1:]))))
+    n = keys.shape[0] // PAGE_TOKENS
+    table = torch.arange(n, dtype=torch.int32, device=keys.device)[None]
+    return AttentionPages(keys.view(n, PAGE_TOKENS, *keys.shape[1:]), values.view(n, PAGE_TOKENS, *values.shape[1:]), table, s)
+
+
 @dataclass(slots=True)
 class LinearLayerState:
     """State of one Gated DeltaNet layer for one sequence.
@@ -227,6 +259,11 @@ class SequenceState(Protocol):
         key/value the chunk's queries may need (at least the layer's window before the chunk)."""
         ...
 
+    def attention_pages(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> AttentionPages:
+        """Store the chunk's keys and values as :meth:`attention_kv` does and return the layer's
+        pages for the paged kernels (the Triton backend)."""
+        ...
+
     def linear(self, layer: int) -> LinearLayerState:
         """The recurrent state of a linear layer; the layer replaces its fields in place."""
         ...
@@ -268,6 +305,12 @@ class DenseState:
         kv = AttentionKV(keys, values, positions)
         self._kv[layer] = kv
         return kv
+
+    def attention_pages(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> AttentionPages:
+        kv = self.attention_kv(layer, positions, keys, values)
+        if int(kv.positions[0]) != 0:
+            raise RuntimeError(f"layer {layer}: dense keys start at position {int(kv.positions[0])}, not 0")
+        return as_pages(kv.keys, kv.values)
 
     def linear(self, layer: int) -> LinearLayerState:
         return self._linear[layer]
