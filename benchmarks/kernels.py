@@ -10,7 +10,8 @@ the kernel takes them), times the kernel and its torch counterpart on the same t
   one-token step for the recurrent rule and the conv update, and the kernel's plain-torch
   reference (``<name>_ref``, or the engine's torch path) elsewhere;
 * for memory-bound kernels ``gb_per_s`` (bytes the kernel must read and write / time) and
-  ``fraction_of_copy_bandwidth``; for compute-bound ones ``tflop_per_s`` (useful FLOPs / time)
+  ``fraction_of_copy_bandwidth``; for compute-bound ones (the chunked delta rule counted by its
+  matrix products: :func:`chunk_flops`) ``tflop_per_s`` (useful FLOPs / time)
   and ``fraction_of_matrix_rate`` against the fp16 tensor-core rate and against the fp32
   (no TF32) rate — the kernels multiply in fp32 (``input_precision="ieee"``), so the second is
   their real ceiling;
@@ -47,6 +48,7 @@ from engine.model.gated_deltanet import chunk_gated_delta_rule as engine_chunk_r
 from engine.model.gated_deltanet import l2norm
 from kernels.compressor import compress_pool, compress_pool_ref
 from kernels.gated_delta_rule import (
+    CHUNK,
     causal_conv1d_update,
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
@@ -63,7 +65,8 @@ from kernels.sparse_compressed_attention import (
 
 @dataclass
 class Case:
-    """One kernel on one shape: the two callables (each returns its result) and its work."""
+    """One kernel on one shape: the two timed callables, its work, and ``check`` (when the timed
+    kernel updates its input in place: a run on fresh inputs, for the comparison)."""
 
     name: str
     shape: dict[str, int]
@@ -72,6 +75,7 @@ class Case:
     torch_is: str
     bytes_moved: int = 0
     flops: int = 0
+    check: Callable[[], Any] | None = None
 
 
 def timed_ms(fn: Callable[[], Any], device: torch.device, smoke: bool) -> float:
@@ -122,14 +126,15 @@ def cases(device: torch.device, smoke: bool) -> list[Case]:
     # kv_block_copy: swap-out gather of N pool blocks ([layers, 2, U, H_kv, D] each) to staging
     blocks, n_copy, layers = (8, 4, 2) if smoke else (4096, 1024, 4)
     pool = randn(blocks, layers, 2, 16, 8, 128)
-    staging = torch.empty((n_copy, *pool.shape[1:]), dtype=half, device=device)
+    staging = torch.full((n_copy, *pool.shape[1:]), float("nan"), dtype=half, device=device)
+    torch_staging = torch.empty_like(staging)  # apart, so the comparison sees both copies
     ids = torch.randperm(blocks, generator=g)[:n_copy].to(device)
     rows = torch.arange(n_copy, device=device)
     block_bytes = pool[0].numel() * 2
     out.append(Case(
         "kv_block_copy", {"blocks": n_copy, "block_bytes": block_bytes},
         lambda: (copy_blocks(pool, staging, ids, rows), staging)[1],
-        lambda: torch.index_select(pool, 0, ids, out=staging), "torch.index_select",
+        lambda: torch.index_select(pool, 0, ids, out=torch_staging), "torch.index_select",
         bytes_moved=2 * n_copy * block_bytes,
     ))  # fmt: skip
 
@@ -254,7 +259,7 @@ def cases(device: torch.device, smoke: bool) -> list[Case]:
     out.append(Case(
         "gated_delta_rule_chunked", {"sequences": n_seq, "seq_len": length, "heads": h, "head_dim": dk},
         lambda: chunk_gated_delta_rule(gq, gk, gv, gg, gb, state, gcu)[0], engine_chunked,
-        "the engine's torch chunk_gated_delta_rule", bytes_moved=total * h * (4 * dk * 2 + 2 * 2) + 2 * state.numel() * 4,
+        "the engine's torch chunk_gated_delta_rule", flops=n_seq * math.ceil(length / CHUNK) * h * chunk_flops(CHUNK, dk, dk),
     ))  # fmt: skip
 
     # gated delta rule, decode: B sequences, one token each, fp32 state [H, D_k, D_v] in place
@@ -275,7 +280,7 @@ def cases(device: torch.device, smoke: bool) -> list[Case]:
 
     out.append(Case(
         "gated_delta_rule_recurrent", {"batch": b, "heads": h, "head_dim": dk},
-        lambda: fused_recurrent_gated_delta_rule(rq, rk, rv, rg, rb, rstate.clone(), rcu)[0],
+        lambda: fused_recurrent_gated_delta_rule(rq, rk, rv, rg, rb, rstate, rcu)[0],
         torch_step, "a vectorised torch step", bytes_moved=2 * rstate.numel() * 4,
     ))  # fmt: skip
 
@@ -284,6 +289,7 @@ def cases(device: torch.device, smoke: bool) -> list[Case]:
     x = randn(b, c)
     weight = randn(c, width)
     conv_state = randn(b, c, width - 1)
+    scratch_state = conv_state.clone()  # the timed runs shift this one in place
 
     def torch_conv() -> torch.Tensor:
         window_rows = torch.cat((conv_state, x[:, :, None]), dim=2)
@@ -291,10 +297,17 @@ def cases(device: torch.device, smoke: bool) -> list[Case]:
 
     out.append(Case(
         "causal_conv1d_update", {"batch": b, "channels": c, "width": width},
-        lambda: causal_conv1d_update(x, weight, conv_state.clone()), torch_conv, "a vectorised torch step",
-        bytes_moved=b * c * 2 * (1 + 2 * (width - 1) + 1),
+        lambda: causal_conv1d_update(x, weight, scratch_state), torch_conv, "a vectorised torch step",
+        bytes_moved=b * c * 2 * (1 + 2 * (width - 1) + 1), check=lambda: causal_conv1d_update(x, weight, conv_state.clone()),
     ))  # fmt: skip
     return out
+
+
+def chunk_flops(c: int, dk: int, dv: int) -> int:
+    """Useful FLOPs of one chunk of ``c`` tokens of one head of the chunked delta rule:
+    ``A = K Kᵀ``, ``(I + A)⁻¹`` by substitution (c³), ``X (βV)``, ``X (βK)``, ``W S``, ``Q Kᵀ``,
+    ``Q S``, ``(QKᵀ) U`` and ``Kᵀ U`` (a multiply-add is two)."""
+    return 6 * c * c * dk + 4 * c * c * dv + 6 * c * dk * dv + c**3
 
 
 def diff(a: Any, b: Any) -> float:
@@ -330,7 +343,7 @@ def main() -> None:
     for case in cases(device, args.smoke):
         print(f"{case.name} ...", file=sys.stderr)
         row: dict[str, Any] = {"kernel": case.name, "shape": case.shape, "torch": case.torch_is}
-        row["max_abs_diff"] = diff(case.kernel(), case.torch_fn())
+        row["max_abs_diff"] = diff((case.check or case.kernel)(), case.torch_fn())
         row["kernel_ms"] = timed_ms(case.kernel, device, args.smoke)
         row["torch_ms"] = timed_ms(case.torch_fn, device, args.smoke)
         row["speedup_vs_torch"] = row["torch_ms"] / row["kernel_ms"]

@@ -175,25 +175,37 @@ class Indexer(Compressor):
         t, n = x.shape[0], keys.shape[0]
         if n == 0:
             return torch.zeros((t, 0), dtype=torch.bool, device=x.device)
+        top, valid = self._ranked(self._queries(q_residual, positions), x, positions, keys)
+        chosen = torch.zeros((t, n), dtype=torch.bool, device=x.device)
+        return chosen.scatter_(1, top, valid)
+
+    def _queries(self, q_residual: Tensor, positions: Tensor) -> Tensor:
+        """The index queries ``[T, H_I, D_I]``, rotated at their positions."""
         cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta)
-        q = apply_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.spec.head_dim), cos, sin)
+        return apply_rope(self.q_b_proj(q_residual).view(-1, self.num_heads, self.spec.head_dim), cos, sin)
+
+    def _ranked(self, q: Tensor, x: Tensor, positions: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        """The torch choice: ``(top [T, k] int64, valid [T, k] bool)``, k = min(index_topk, N)."""
+        n = keys.shape[0]
         scores = self.scorer(q, keys, x)
         visible_count = torch.div(positions + 1, self.spec.ratio, rounding_mode="floor")  # [T]
         future = torch.arange(n, device=x.device)[None, :] >= visible_count[:, None]
         scores = scores.masked_fill(future, float("-inf"))
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         top = order[:, : min(self.index_topk, n)]  # [T, k]
-        chosen = torch.zeros((t, n), dtype=torch.bool, device=x.device)
-        return chosen.scatter_(1, top, top < visible_count[:, None])
-
+        return top, top < visible_count[:, None]
 
     def select_topk(self, x: Tensor, q_residual: Tensor, positions: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`select` through the ``indexer_topk`` kernel (the Triton backend): the chosen
         entries as ``(indices [T, min(index_topk, N)] int32, valid [T, min(index_topk, N)]
-        bool)``, the same choice, ties included."""
-        t = x.shape[0]
-        cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta)
-        q = apply_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.spec.head_dim), cos, sin)
+        bool)``, the same choice, ties included. Above the kernel's ``MAX_KEYS`` index keys (one
+        program sorts a whole row: 64K tokens at ratio 4) the ranking stays in torch."""
+        from kernels.indexer_topk import MAX_KEYS
+
+        q = self._queries(q_residual, positions)
+        if keys.shape[0] > MAX_KEYS:
+            top, valid = self._ranked(q, x, positions, keys)
+            return top.to(torch.int32), valid
         weights = self.scorer.weights_proj(x).float() * self.scorer.weights_scaling
         return kb.indexer_topk(q, keys, weights, positions, ratio=self.spec.ratio, k=self.index_topk, scale=self.scorer.softmax_scale)
 

@@ -62,7 +62,7 @@ def test_chunked_matches_the_engine(h: int, dk: int, dv: int, lengths: list[int]
     want_o, want_final = chunk_gated_delta_rule_ref(q, k, v, decay, beta, state, cu)
     assert o is out and not o.isnan().any()
     assert (o.float() - want_o).abs().max().item() <= TOLERANCE[dtype]
-    assert (final - want_final).abs().max().item() <= TOLERANCE[dtype]
+    assert (final - want_final).abs().max().item() <= TOLERANCE[torch.float32]  # the state is fp32
     for i in range(len(lengths)):
         if lengths[i] == 0:
             assert torch.equal(final[i], state[i])  # an empty sequence keeps its state
@@ -70,7 +70,7 @@ def test_chunked_matches_the_engine(h: int, dk: int, dv: int, lengths: list[int]
     a = int(cu[-2])
     chunk_o, chunk_s = chunk_gated_delta_rule(q[a:], k[a:], v[a:], decay[a:], beta[a:], state[-1])
     assert (o[a:].float() - chunk_o).abs().max().item() <= TOLERANCE[dtype]
-    assert (final[-1] - chunk_s).abs().max().item() <= TOLERANCE[dtype]
+    assert (final[-1] - chunk_s).abs().max().item() <= TOLERANCE[torch.float32]
 
 
 def test_chunked_survives_strong_decay_and_full_writes(device: str) -> None:
