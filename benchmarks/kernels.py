@@ -138,28 +138,24 @@ def cases(device: torch.device, smoke: bool) -> list[Case]:
         bytes_moved=2 * n_copy * block_bytes,
     ))  # fmt: skip
 
+    def paged(n: int, length: int, h_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K and V pools of ``n`` sequences of ``length`` tokens in shuffled pages of 16 (block 0
+        the sentinel), their block tables ``[n, pages]`` int32, seq_lens, and the same keys and
+        values dense ``[n, H_kv, L, D]`` for SDPA."""
+        pages = math.ceil(length / 16)
+        k_pool, v_pool = randn(n * pages + 1, 16, h_kv, d), randn(n * pages + 1, 16, h_kv, d)
+        tables = (torch.randperm(n * pages, generator=g) + 1).view(n, pages).to(torch.int32).to(device)
+        lens = torch.full((n,), length, dtype=torch.int32, device=device)
+        dense_k, dense_v = (pool[tables.long()].reshape(n, -1, h_kv, d)[:, :length].transpose(1, 2).contiguous() for pool in (k_pool, v_pool))
+        return k_pool, v_pool, tables, lens, dense_k, dense_v
+
     # paged decode: B sequences of L tokens, GQA 32/8, D 128, pages of 16
-    b, length, h_q, h_kv, d, page = (2, 40, 4, 2, 64, 16) if smoke else (64, 2048, 32, 8, 128, 16)
-    pages_per = math.ceil(length / page)
-    k_cache = randn(b * pages_per + 1, page, h_kv, d)
-    v_cache = randn(b * pages_per + 1, page, h_kv, d)
-    tables = (
-        (torch.randperm(b * pages_per, generator=g) + 1)
-        .view(b, pages_per)
-        .to(torch.int32)
-        .to(device)
-    )
-    lens = torch.full((b,), length, dtype=torch.int32, device=device)
+    b, length, h_q, h_kv, d = (2, 40, 4, 2, 64) if smoke else (64, 2048, 32, 8, 128)
+    k_cache, v_cache, tables, lens, dense_k, dense_v = paged(b, length, h_kv, d)
     q = randn(b, h_q, d)
-    dense_k = (
-        k_cache[tables.long()].reshape(b, -1, h_kv, d)[:, :length].transpose(1, 2).contiguous()
-    )
-    dense_v = (
-        v_cache[tables.long()].reshape(b, -1, h_kv, d)[:, :length].transpose(1, 2).contiguous()
-    )
     scale = d**-0.5
     out.append(Case(
-        "paged_decode_attention", {"batch": b, "seq_len": length, "heads_q": h_q, "heads_kv": h_kv, "head_dim": d, "page": page},
+        "paged_decode_attention", {"batch": b, "seq_len": length, "heads_q": h_q, "heads_kv": h_kv, "head_dim": d, "page": 16},
         lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale=scale),
         lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0],
         "SDPA on dense KV (no paging)", bytes_moved=2 * b * length * h_kv * d * 2 + 2 * q.numel() * 2,
@@ -167,20 +163,9 @@ def cases(device: torch.device, smoke: bool) -> list[Case]:
 
     # paged prefill: N chunks of n new tokens on prefixes, L tokens per sequence in all
     n_seq, chunk, length = (2, 20, 40) if smoke else (4, 512, 4096)
-    pages_per = math.ceil(length / page)
-    kp = randn(n_seq * pages_per + 1, page, h_kv, d)
-    vp = randn(n_seq * pages_per + 1, page, h_kv, d)
-    ptables = (
-        (torch.randperm(n_seq * pages_per, generator=g) + 1)
-        .view(n_seq, pages_per)
-        .to(torch.int32)
-        .to(device)
-    )
-    plens = torch.full((n_seq,), length, dtype=torch.int32, device=device)
+    kp, vp, ptables, plens, pk, pv = paged(n_seq, length, h_kv, d)
     cu = torch.arange(0, (n_seq + 1) * chunk, chunk, dtype=torch.int32, device=device)
     qp = randn(n_seq * chunk, h_q, d)
-    pk = kp[ptables.long()].reshape(n_seq, -1, h_kv, d)[:, :length].transpose(1, 2).contiguous()
-    pv = vp[ptables.long()].reshape(n_seq, -1, h_kv, d)[:, :length].transpose(1, 2).contiguous()
     qpos = torch.arange(length - chunk, length, device=device)
     mask = torch.arange(length, device=device)[None, :] <= qpos[:, None]
     visible = sum(length - chunk + i + 1 for i in range(chunk))

@@ -50,11 +50,9 @@ CHUNK = 32
 
 
 @triton.jit
-def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, cu_ptr, scale,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt, s_ot, s_oh,
-    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+def _state_tile(state_ptr, cu_ptr, HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's sequence bounds ``[first, last)``, its key and value channel offsets and
+    masks, and its ``[K_PAD, BLOCK_V]`` tile of the initial state (fp32) with its offsets/mask."""
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -66,7 +64,18 @@ def _recurrent_kernel(
     m_v = o_v < DV
     m_s = m_k[:, None] & m_v[None, :]
     p_state = (i_n * HEADS + i_h) * DK * DV + o_k[:, None] * DV + o_v[None, :]
-    b_s = tl.load(state_ptr + p_state, mask=m_s, other=0.0).to(tl.float32)  # [K_PAD, BLOCK_V]
+    b_s = tl.load(state_ptr + p_state, mask=m_s, other=0.0).to(tl.float32)
+    return first, last, o_k, m_k, o_v, m_v, p_state, m_s, b_s
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, cu_ptr, scale,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt, s_ot, s_oh,
+    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    i_h = tl.program_id(1)
+    first, last, o_k, m_k, o_v, m_v, p_state, m_s, b_s = _state_tile(state_ptr, cu_ptr, HEADS, DK, DV, K_PAD, BLOCK_V)
     for t in range(first, last):
         b_q = tl.load(q_ptr + t * s_qt + i_h * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k_ptr + t * s_kt + i_h * s_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -87,18 +96,8 @@ def _chunk_kernel(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt, s_ot, s_oh,
     HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, BT: tl.constexpr,
 ):  # fmt: skip
-    i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    first = tl.load(cu_ptr + i_n).to(tl.int64)
-    last = tl.load(cu_ptr + i_n + 1).to(tl.int64)
-    o_k = tl.arange(0, K_PAD)
-    m_k = o_k < DK
-    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    m_v = o_v < DV
-    m_s = m_k[:, None] & m_v[None, :]
-    p_state = (i_n * HEADS + i_h) * DK * DV + o_k[:, None] * DV + o_v[None, :]
-    b_s = tl.load(state_ptr + p_state, mask=m_s, other=0.0).to(tl.float32)  # [K_PAD, BLOCK_V]
+    first, last, o_k, m_k, o_v, m_v, p_state, m_s, b_s = _state_tile(state_ptr, cu_ptr, HEADS, DK, DV, K_PAD, BLOCK_V)
     o_i = tl.arange(0, BT)
     m_causal = o_i[:, None] >= o_i[None, :]
     m_strict = o_i[:, None] > o_i[None, :]
