@@ -23,7 +23,7 @@ from torch import Tensor
 
 from engine.cache import CacheConfig, PrefixCache
 from engine.cache.admission import CostModel
-from engine.cache.prefix_cache import StaleResume
+from engine.cache.prefix_cache import Admitted, StaleResume
 from engine.cache.sequence import PagedSequence
 from engine.cache.tiers import round_trip
 from engine.config import HybridConfig
@@ -286,31 +286,12 @@ class LLM:
         t0 = time.perf_counter()
         self._as_tensor(token_ids)  # validates
         self._check_fits(len(token_ids), params.max_tokens)
-        hashes = self.cache.block_hashes(token_ids)
         costs = self._costs()
         t_admit = time.perf_counter()
-        admitted = self.cache.admit(hashes, len(token_ids), costs, output_tokens=params.max_tokens)
+        admitted, seq = self._start_request(token_ids, params.max_tokens, costs)
         plan = admitted.plan
-        if self.cache.faults.evict_between_check_and_use:
-            self.cache.inject_eviction(plan, hashes)
         try:
-            seq = self.cache.start(plan, token_ids, hashes)
-        except StaleResume as stale:  # changed between check and use: recompute, say why
-            self.cache.finish_recovery(admitted)
-            admitted = self.cache.admit(
-                hashes, len(token_ids), costs, output_tokens=params.max_tokens, vetoes={stale.form: Reason.EPOCH_CHANGED}
-            )
-            plan = admitted.plan
-            try:
-                seq = self.cache.start(plan, token_ids, hashes)
-            except BaseException:
-                self.cache.finish_recovery(admitted)
-                raise
-        except BaseException:
-            self.cache.finish_recovery(admitted)
-            raise
-        try:
-            epochs = {f.form: self.cache.form_epoch(seq, f, plan.resume_tokens) for f in self.cache.forms}
+            epochs = self._epochs(seq, plan.resume_tokens)
             try:
                 logits = self._prefill(seq, keep_logits)
             finally:
@@ -335,16 +316,48 @@ class LLM:
             if self.check_invariants:
                 self.cache.check_invariants()
         e2e = time.perf_counter() - t0
-        report = CacheReport(
+        report = self._report(admitted, actual)
+        self._emit_request(request_id, arrival_wall, report, len(outputs), ttft, e2e, epochs)
+        return _RunResult(logits if keep_logits else None, last, outputs, report, ttft, e2e)
+
+    def _start_request(self, token_ids: list[int], max_tokens: int, costs: CostModel | None) -> tuple[Admitted, PagedSequence]:
+        """Admission and leases for one request: the plan, then :meth:`PrefixCache.start`; when an
+        object the plan relies on changed between the check and the lease, the plan is made
+        again with that form vetoed (``epoch_changed``). The caller owns the returned sequence
+        (``finish`` it) and the admission (``finish_recovery`` once its prefill is done)."""
+        hashes = self.cache.block_hashes(token_ids)
+        admitted = self.cache.admit(hashes, len(token_ids), costs, output_tokens=max_tokens)
+        if self.cache.faults.evict_between_check_and_use:
+            self.cache.inject_eviction(admitted.plan, hashes)
+        try:
+            return admitted, self.cache.start(admitted.plan, token_ids, hashes)
+        except StaleResume as stale:  # changed between check and use: recompute, say why
+            self.cache.finish_recovery(admitted)
+            admitted = self.cache.admit(hashes, len(token_ids), costs, output_tokens=max_tokens, vetoes={stale.form: Reason.EPOCH_CHANGED})
+            try:
+                return admitted, self.cache.start(admitted.plan, token_ids, hashes)
+            except BaseException:
+                self.cache.finish_recovery(admitted)
+                raise
+        except BaseException:
+            self.cache.finish_recovery(admitted)
+            raise
+
+    def _epochs(self, seq: PagedSequence, resume_tokens: int) -> dict[Form, int]:
+        """Each form's epoch at the plan's resume point L* (reported with its lookups)."""
+        return {f.form: self.cache.form_epoch(seq, f, resume_tokens) for f in self.cache.forms}
+
+    @staticmethod
+    def _report(admitted: Admitted, actual_seconds: float) -> CacheReport:
+        plan = admitted.plan
+        return CacheReport(
             plan=plan,
             admission=admitted.admission,
             approximate=plan.replayed_tokens > 0,
             replayed_tokens=plan.replayed_tokens,
             predicted_seconds=admitted.predicted_seconds,
-            actual_seconds=actual,
+            actual_seconds=actual_seconds,
         )
-        self._emit_request(request_id, arrival_wall, report, len(outputs), ttft, e2e, epochs)
-        return _RunResult(logits if keep_logits else None, last, outputs, report, ttft, e2e)
 
     def _prefill(self, seq: PagedSequence, keep_logits: bool) -> Tensor:
         """Run ``[L*, T)`` in chunks of at most ``max_prefill_chunk_tokens`` that end at the

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from engine.model.state import CompressedLayerSpec, DenseState, SequenceState
+from engine.model.state import CompressedLayerSpec, DenseState, PackedStates, SequenceState
 
 WINDOW_KINDS = frozenset({"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"})
 """Layer kinds whose attention reads a sliding window of KV rows."""
@@ -71,7 +71,9 @@ class CausalLM(nn.Module):
     """Base class of every model family the engine runs.
 
     ``forward(input_ids [T], positions [T], state)`` returns float32 logits ``[T, vocab]`` and
-    updates ``state`` (KV, recurrent and compressor state) in place; parameter names follow the
+    updates ``state`` (KV, recurrent and compressor state) in place; with a
+    :class:`~engine.model.state.PackedStates` the T tokens are several sequences' chunks packed
+    in order (continuous batching); parameter names follow the
     family's reference implementation so checkpoints load as they are.
     """
 
@@ -96,5 +98,5 @@ class CausalLM(nn.Module):
         """Deterministic random weights (tests and untrained presets)."""
         raise NotImplementedError
 
-    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
         raise NotImplementedError

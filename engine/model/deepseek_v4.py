@@ -20,7 +20,13 @@ from engine.model.base import CausalLM, ModelLayout
 from engine.model.deepseek_v4_attention import DeepseekV4Attention
 from engine.model.deepseek_v4_config import DeepseekV4Config, config_from_dict, config_to_dict
 from engine.model.layers import RMSNorm
-from engine.model.state import CompressedLayerSpec, DenseState, SequenceState
+from engine.model.state import (
+    CompressedLayerSpec,
+    DenseState,
+    PackedStates,
+    SequenceState,
+    per_sequence,
+)
 
 __all__ = ["DeepseekV4Config", "DeepseekV4ForCausalLM", "build", "config_from_dict", "config_to_dict"]
 
@@ -52,8 +58,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, positions: Tensor, state: SequenceState) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, state)
+    def forward(self, x: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
+        x = x + per_sequence(lambda h, p, _, s: self.self_attn(h, p, s), self.input_layernorm(x), positions, None, state)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -128,7 +134,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     def new_dense_state(self) -> DenseState:
         return DenseState({}, self.lm_head.weight.device)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, state)

@@ -18,7 +18,7 @@ from engine.model.base import WINDOW_KINDS, CausalLM, ModelLayout
 from engine.model.deepseek_v4_attention import DeepseekV4Attention
 from engine.model.gated_deltanet import GatedDeltaNet
 from engine.model.layers import RMSNorm, SwiGLU, rotary_cos_sin
-from engine.model.state import DenseState, SequenceState
+from engine.model.state import DenseState, PackedStates, SequenceState, per_sequence
 
 
 class DecoderLayer(nn.Module):
@@ -38,16 +38,17 @@ class DecoderLayer(nn.Module):
             self.mixer = Attention(config, layer, window)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState) -> Tensor:
-        h = self.input_layernorm(x)
-        if isinstance(self.mixer, GatedDeltaNet):
-            h = self.mixer(h, state)
-        elif isinstance(self.mixer, DeepseekV4Attention):
-            h = self.mixer(h, positions, state)
-        else:
-            h = self.mixer(h, positions, rope, state)
-        x = x + h
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState | PackedStates) -> Tensor:
+        x = x + per_sequence(self._mix, self.input_layernorm(x), positions, rope, state)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _mix(self, h: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor] | None, state: SequenceState) -> Tensor:
+        if isinstance(self.mixer, GatedDeltaNet):
+            return self.mixer(h, state)
+        if isinstance(self.mixer, DeepseekV4Attention):
+            return self.mixer(h, positions, state)
+        assert rope is not None
+        return self.mixer(h, positions, rope, state)
 
 
 class HybridForCausalLM(CausalLM):
@@ -116,7 +117,7 @@ class HybridForCausalLM(CausalLM):
     def new_dense_state(self) -> DenseState:
         return DenseState(self.linear_state_shapes(), self.lm_head.weight.device)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
         x = self.embed_tokens(input_ids)
         rope = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         for layer in self.layers:

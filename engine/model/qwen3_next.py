@@ -24,7 +24,7 @@ from engine.model.qwen3_next_layers import (
     ZeroCentredRMSNorm,
 )
 from engine.model.qwen3_next_moe import Qwen3NextSparseMoe
-from engine.model.state import DenseState, SequenceState
+from engine.model.state import DenseState, PackedStates, SequenceState, per_sequence
 
 __all__ = ["Qwen3NextConfig", "Qwen3NextForCausalLM", "build", "config_from_dict"]
 
@@ -53,15 +53,15 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState) -> Tensor:
-        h = self.input_layernorm(x)
-        if self.linear_attn is not None:
-            h = self.linear_attn(h, state)
-        else:
-            assert self.self_attn is not None
-            h = self.self_attn(h, positions, rope, state)
-        x = x + h
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState | PackedStates) -> Tensor:
+        x = x + per_sequence(self._mix, self.input_layernorm(x), positions, rope, state)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _mix(self, h: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor] | None, state: SequenceState) -> Tensor:
+        if self.linear_attn is not None:
+            return self.linear_attn(h, state)
+        assert self.self_attn is not None and rope is not None
+        return self.self_attn(h, positions, rope, state)
 
 
 class Qwen3NextModel(nn.Module):
@@ -76,7 +76,7 @@ class Qwen3NextModel(nn.Module):
         self.rotary_dim = config.rotary_dim
         self.rope_theta = config.rope_theta
 
-    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
         x = self.embed_tokens(input_ids)
         rope = rotary_cos_sin(positions, self.rotary_dim, self.rope_theta)
         for layer in self.layers:
@@ -85,7 +85,7 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(CausalLM):
-    """Qwen3-Next for one sequence at a time.
+    """Qwen3-Next: one sequence, or several packed (:class:`~engine.model.state.PackedStates`).
 
     Parameter names are transformers' (``model.embed_tokens.weight``,
     ``model.layers.{i}.linear_attn.in_proj_qkvz.weight``, ``model.layers.{i}.mlp.experts.{e}.up_proj.weight``,
@@ -161,10 +161,10 @@ class Qwen3NextForCausalLM(CausalLM):
     def new_dense_state(self) -> DenseState:
         return DenseState(self.linear_state_shapes(), self.lm_head.weight.device)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
-                f"expected input_ids [T] and positions [T] of one sequence, got {tuple(input_ids.shape)} "
+                f"expected input_ids [T] and positions [T], got {tuple(input_ids.shape)} "
                 f"and {tuple(positions.shape)}"
             )
         return self.lm_head(self.model(input_ids, positions, state)).float()

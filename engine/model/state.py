@@ -7,6 +7,7 @@ recurrent state was restored from a checkpoint). Layers only see this protocol.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -276,6 +277,47 @@ class SequenceState(Protocol):
             ValueError: ``spec`` differs from the spec the state was created with.
         """
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class PackedStates:
+    """Several sequences' chunks in one forward (continuous batching): the tokens of every
+    sequence packed along T in order, ``states[i]`` owning ``positions[i]`` (the very tensor its
+    chunk protocol handed out, ``[T_i]``). The dense parts of a layer (norms, projections of the
+    MLP, the LM head) run once over ``[ΣT_i, C]``; the mixers, which read and write per-sequence
+    state, run per sequence through :func:`per_sequence`."""
+
+    states: tuple[SequenceState, ...]
+    positions: tuple[Tensor, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.states) != len(self.positions) or not self.states:
+            raise ValueError(f"{len(self.states)} states for {len(self.positions)} position tensors")
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(p.shape[0]) for p in self.positions]
+
+
+MixerCall = Callable[[Tensor, Tensor, "tuple[Tensor, Tensor] | None", SequenceState], Tensor]
+
+
+def per_sequence(mix: MixerCall, h: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor] | None, state: SequenceState | PackedStates) -> Tensor:
+    """``mix(h, positions, rope, state)`` for one sequence, or once per sequence of a
+    :class:`PackedStates` on its slice of ``h [ΣT_i, C]`` and of the rotary tables, with its own
+    state and positions; the outputs packed back in order."""
+    if not isinstance(state, PackedStates):
+        return mix(h, positions, rope, state)
+    outputs: list[Tensor] = []
+    start = 0
+    for seq_state, seq_positions in zip(state.states, state.positions, strict=True):
+        end = start + int(seq_positions.shape[0])
+        part = None if rope is None else (rope[0][start:end], rope[1][start:end])
+        outputs.append(mix(h[start:end], seq_positions, part, seq_state))
+        start = end
+    if start != h.shape[0]:
+        raise RuntimeError(f"packed states cover {start} tokens of {h.shape[0]}")
+    return torch.cat(outputs)
 
 
 class DenseState:

@@ -1,0 +1,7 @@
+"""The serving runtime: continuous batching over one engine (:class:`Runtime`), planned step by
+step by the :class:`Scheduler`."""
+
+from engine.runtime.runtime import FinishReason, Runtime, RuntimeRequest
+from engine.runtime.scheduler import Scheduler, SchedulerConfig
+
+__all__ = ["FinishReason", "Runtime", "RuntimeRequest", "Scheduler", "SchedulerConfig"]
