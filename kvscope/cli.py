@@ -149,6 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
 
+    srv = sub.add_parser("serve", parents=[verbose], help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions)")
+    srv.add_argument("--model", default="kvscope_hybrid-small", help="preset name or model directory (default: %(default)s, trained)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=_port, default=8000)
+    srv.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default: %(default)s)")
+    srv.add_argument("--agent", default=None, help="send the cache's events to this agent")
+    srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (default: %(default)s)")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens computed per engine step (default: %(default)s)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+
     bench = sub.add_parser("bench", parents=[verbose], help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from kvscope.bench_ttft import add_arguments as ttft_arguments
@@ -439,6 +449,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve ``--model`` over HTTP until interrupted."""
+    import uvicorn
+
+    from engine.llm import LLM
+    from engine.runtime import Runtime, SchedulerConfig
+    from engine.runtime.engine_loop import EngineLoop
+    from engine.runtime.server import create_app
+
+    try:
+        config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        llm = LLM(args.model, device=args.device, telemetry=args.agent)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    app = create_app(EngineLoop(Runtime(llm, config)), args.served_model_name or str(args.model))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info" if getattr(args, "verbose", False) else "warning")
+    finally:
+        llm.close()
+    return 0
+
+
 def cmd_sql(args: argparse.Namespace) -> int:
     from kvscope.sql import run_sql
 
@@ -572,5 +604,6 @@ COMMANDS = {
     "dashboard": cmd_dashboard,
     "replay": cmd_replay,
     "generate": cmd_generate,
+    "serve": cmd_serve,
     "sql": cmd_sql,
 }

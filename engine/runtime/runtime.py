@@ -66,6 +66,7 @@ class RuntimeRequest:
     serial: int
     max_chunk: int
     on_token: Callable[[int], None] | None = None
+    on_finish: Callable[[RuntimeRequest], None] | None = None
     keep_logits: bool = False
     arrival_wall: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)
@@ -144,9 +145,12 @@ class Runtime:
         request_id: str | None = None,
         session: str = "default",
         on_token: Callable[[int], None] | None = None,
+        on_finish: Callable[[RuntimeRequest], None] | None = None,
         keep_logits: bool = False,
     ) -> RuntimeRequest:
-        """Queue a request (text or token ids); it starts at a later :meth:`step`.
+        """Queue a request (text or token ids); it starts at a later :meth:`step`. ``on_token``
+        is called with each token as it is sampled, ``on_finish`` with the request once it ended
+        (stop, length or abort), both on the stepping thread.
 
         Raises:
             ValueError: an empty prompt, a token outside the vocabulary, a request that cannot
@@ -167,6 +171,7 @@ class Runtime:
             serial=next(self._serials),
             max_chunk=self.llm.cache_config.max_prefill_chunk_tokens,
             on_token=on_token,
+            on_finish=on_finish,
             keep_logits=keep_logits,
         )
         self.requests[rid] = request
@@ -369,3 +374,5 @@ class Runtime:
             self.llm._emit_request(r.request_id, r.arrival_wall, r.report, len(r.output_token_ids), r.ttft_seconds, r.e2e_seconds, r.epochs)
         if self.llm.check_invariants:
             self.llm.cache.check_invariants()
+        if r.on_finish is not None:
+            r.on_finish(r)

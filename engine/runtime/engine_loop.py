@@ -1,0 +1,151 @@
+"""The runtime on its own thread, for asyncio callers (the OpenAI-compatible server).
+
+One engine thread owns the :class:`~engine.runtime.runtime.Runtime` (and so the model and the
+prefix cache): it takes commands (add, abort) from a queue between steps, steps while anything is
+unfinished, and sleeps on the queue otherwise. Each request's tokens and its end travel back to
+the caller's event loop through an ``asyncio.Queue`` (``call_soon_threadsafe``), as vLLM's
+``AsyncLLM`` hands its engine core's outputs to per-request streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from engine.runtime.runtime import Runtime, RuntimeRequest
+from engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_SECONDS = 0.5
+"""How long the idle engine thread sleeps on its command queue before checking for a stop."""
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    token_id: int
+    request: RuntimeRequest
+    """The request it belongs to (read its report, not its growing lists, off the engine thread)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    request: RuntimeRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: BaseException
+
+
+Update = Token | Finished | Failed
+
+
+class EngineLoop:
+    """Runs ``runtime`` on a daemon thread (:meth:`start` / :meth:`stop`)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
+        self.error: BaseException | None = None
+        """What stopped the engine thread, if it died."""
+        self._streams: dict[str, Callable[[Update], None]] = {}
+        """Per request in flight: how to reach its caller (engine thread only)."""
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float = 30.0) -> None:
+        """Abort what is in flight and stop the thread."""
+        self._stopping.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout_seconds)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread between steps."""
+        self._commands.put(fn)
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str, session: str = "default"
+    ) -> AsyncGenerator[Update]:
+        """Submit a request and yield its :class:`Token` updates, then one :class:`Finished` (or
+        :class:`Failed`). Leaving the iteration early (a client gone) aborts the request on the
+        engine thread, which releases its blocks."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Update] = asyncio.Queue()
+
+        def put(update: Update) -> None:
+            loop.call_soon_threadsafe(updates.put_nowait, update)
+
+        def finished(r: RuntimeRequest) -> None:
+            self._streams.pop(r.request_id, None)
+            put(Finished(r))
+
+        def add() -> None:
+            try:
+                request = self.runtime.add_request(
+                    prompt_token_ids, params, request_id=request_id, session=session,
+                    on_token=lambda t: put(Token(t, request)), on_finish=finished,
+                )  # fmt: skip
+            except Exception as exc:  # a request the runtime refuses: the caller reports it
+                put(Failed(exc))
+            else:
+                self._streams[request_id] = put
+
+        done = False
+        self.call(add)
+        try:
+            while True:
+                update = await updates.get()
+                done = not isinstance(update, Token)
+                yield update
+                if done:
+                    return
+        finally:
+            if not done:
+                self.call(lambda: self._abort(request_id))
+
+    def _abort(self, request_id: str) -> None:
+        if self.runtime.abort(request_id):
+            log.info("aborted %s: its client went away", request_id)
+
+    def _run(self) -> None:
+        runtime = self.runtime
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._commands.get_nowait()()
+                    continue
+                except queue.Empty:
+                    pass
+                if runtime.has_unfinished():
+                    runtime.step()
+                    for rid in [rid for rid, r in runtime.requests.items() if r.finished]:
+                        runtime.pop_finished(rid)
+                else:
+                    with contextlib.suppress(queue.Empty):
+                        command = self._commands.get(timeout=IDLE_WAIT_SECONDS)
+                        command()
+        except BaseException as exc:  # an engine bug: every caller hears of it, the server reports unhealthy
+            log.exception("the engine thread stopped")
+            self.error = exc
+            for put in list(self._streams.values()):
+                put(Failed(exc))
+            self._streams.clear()
+        finally:
+            for rid in list(runtime.requests):
+                try:
+                    runtime.abort(rid)
+                except Exception:  # the cache may be what broke; the process is going down
+                    log.exception("could not abort %s", rid)

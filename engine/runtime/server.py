@@ -1,0 +1,356 @@
+"""The OpenAI-compatible HTTP server in front of the runtime (``kvscope serve``).
+
+Endpoints, as the OpenAI API and vLLM's server define them:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``: one prompt (or one conversation,
+  rendered with ChatML, Qwen's chat format, as text) per request; ``max_tokens`` (chat also
+  ``max_completion_tokens``), ``temperature``, ``top_p``, ``stop`` (strings; the text ends
+  before the first one, which is not returned), ``seed``, ``user`` (the session the scheduler is
+  fair across), ``stream`` (server-sent events ending with ``data: [DONE]``;
+  ``stream_options.include_usage`` adds a usage chunk). ``usage.prompt_tokens_details.cached_tokens``
+  is the prompt tokens the prefix cache served (its recoverable tokens).
+* ``GET /v1/models``, ``GET /health`` (503 once the engine thread has died), ``GET /metrics``
+  (Prometheus text: requests by finish reason, prompt / cached / generated tokens, time to first
+  token, requests running and waiting, preemptions).
+
+Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+malformed or unservable request, 404 for another model, 500 when the engine failed. A client
+that disconnects mid-stream has its request aborted and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.runtime.engine_loop import EngineLoop, Failed, Finished, Token
+from engine.runtime.runtime import RuntimeRequest
+from engine.sampling import SamplingParams
+from engine.tokenizer import StreamDecoder
+
+DEFAULT_CHAT_MAX_TOKENS = 256
+"""Tokens a chat completion may generate when the request does not say."""
+
+
+class APIError(Exception):
+    """A request the server refuses, with the OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=error_body(self.message, self.type, self.param, self.code))
+
+
+def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (logit_bias, ...)
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        return stops
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+
+
+def render_chat(messages: list[ChatMessage]) -> str:
+    """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then the opening of
+    the assistant's turn."""
+    parts = []
+    for m in messages:
+        text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        parts.append(f"<|im_start|>{m.role}\n{text}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+class StopStrings:
+    """Cuts generated text before the first stop string, holding back the tail that could still
+    become one (as vLLM's detokenizer does)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        """New text to emit and whether a stop string ended the output."""
+        self.pending += piece
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class ServerMetrics:
+    """The server's Prometheus series (its own registry)."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvscope_server_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("kvscope_server_prompt_tokens", "Prompt tokens of ended requests", registry=r)
+        self.cached_tokens = Counter("kvscope_server_cached_prompt_tokens", "Prompt tokens the prefix cache served", registry=r)
+        self.generation_tokens = Counter("kvscope_server_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            "kvscope_server_time_to_first_token_seconds", "Arrival to first token", registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+        )  # fmt: skip
+        runtime = loop.runtime
+        Gauge("kvscope_server_requests_running", "Requests holding cache leases", registry=r).set_function(lambda: len(runtime.running))
+        Gauge("kvscope_server_requests_waiting", "Requests queued", registry=r).set_function(lambda: len(runtime.waiting))
+        Gauge("kvscope_server_preemptions", "Requests preempted by recompute since start", registry=r).set_function(lambda: runtime.num_preemptions)
+
+    def observe(self, r: RuntimeRequest, finish_reason: str, generated: int) -> None:
+        self.requests.labels(finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(len(r.prompt_token_ids))
+        self.generation_tokens.inc(generated)
+        if r.report is not None:
+            self.cached_tokens.inc(r.report.recoverable_tokens)
+        if r.ttft_seconds is not None and generated:
+            self.ttft.observe(r.ttft_seconds)
+
+
+def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
+    """The FastAPI app serving ``loop``'s runtime as ``model_name``; starts the engine thread with
+    the app's lifespan and stops it after."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="kvscope", lifespan=lifespan)
+    llm = loop.runtime.llm
+    metrics = ServerMetrics(loop)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not loop.alive:
+            return JSONResponse(status_code=503, content={"status": "engine stopped", "error": repr(loop.error)})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "kvscope"}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def prompt_ids(prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        """One prompt: text, token ids, or a list holding one of those."""
+        if isinstance(prompt, str):
+            return llm.tokenizer.encode(prompt)
+        if all(isinstance(t, int) for t in prompt):
+            return [t for t in prompt if isinstance(t, int)]
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
+        only = prompt[0]
+        return llm.tokenizer.encode(only) if isinstance(only, str) else [int(t) for t in only]  # type: ignore[union-attr]
+
+    def check(body: _Sampling) -> None:
+        if body.model != model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist (this server serves `{model_name}`).", param="model", code="model_not_found")
+        if body.n != 1:
+            raise APIError(400, "only n = 1 is supported", param="n")
+
+    def sampling(body: _Sampling, max_tokens: int, prompt_ids: list[int]) -> SamplingParams:
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+            llm._as_tensor(prompt_ids)
+            llm._check_fits(len(prompt_ids), max_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        return params
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        check(body)
+        ids = prompt_ids(body.prompt)
+        params = sampling(body, 16 if body.max_tokens is None else body.max_tokens, ids)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+
+        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+
+        return await respond(body, rid, ids, params, chunk, lambda text, finish: chunk(text, finish))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest) -> Response:
+        check(body)
+        ids = llm.tokenizer.encode(render_chat(body.messages))
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = sampling(body, DEFAULT_CHAT_MAX_TOKENS if limit is None else limit, ids)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        first = True
+
+        def delta(text: str, finish: str | None) -> dict[str, Any]:
+            nonlocal first
+            d: dict[str, Any] = {"content": text}
+            if first:
+                d["role"], first = "assistant", False
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+
+        def whole(text: str, finish: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+
+        return await respond(body, rid, ids, params, delta, whole)
+
+    async def respond(
+        body: _Sampling, rid: str, ids: list[int], params: SamplingParams,
+        piece: Callable[[str, str | None], dict[str, Any]], whole: Callable[[str, str | None], dict[str, Any]],
+    ) -> Response:  # fmt: skip
+        stops = body.stops()
+        session = body.user or rid
+
+        async def events() -> AsyncGenerator[tuple[str, str | None, dict[str, Any] | None]]:
+            """(text, finish_reason or None, usage once finished)."""
+            decoder = StreamDecoder(llm.tokenizer)
+            cutter = StopStrings(stops)
+            seen = 0
+            async with contextlib.aclosing(loop.generate(ids, params, request_id=rid, session=session)) as updates:
+                async for update in updates:
+                    if isinstance(update, Token):
+                        seen += 1
+                        text, stopped = cutter.push(decoder.push(update.token_id))
+                        if stopped:  # leaving the stream aborts the request: its blocks are freed now
+                            metrics.observe(update.request, "stop", seen)
+                            yield text, "stop", usage(update.request, seen)
+                            return
+                        if text:
+                            yield text, None, None
+                    elif isinstance(update, Finished):
+                        r = update.request
+                        reason = "stop" if r.finish_reason == "stop" else "length"
+                        metrics.observe(r, reason, seen)
+                        yield cutter.push(decoder.finish())[0] + cutter.flush(), reason, usage(r, seen)
+                    elif isinstance(update, Failed):
+                        if isinstance(update.error, ValueError):
+                            raise APIError(400, str(update.error))
+                        raise APIError(500, f"the engine failed: {update.error!r}", type="internal_error")
+
+        def usage(r: RuntimeRequest, generated: int) -> dict[str, Any]:
+            cached = r.report.recoverable_tokens if r.report is not None else 0
+            return {"prompt_tokens": len(ids), "completion_tokens": generated,
+                    "total_tokens": len(ids) + generated, "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+        if not body.stream:
+            texts: list[str] = []
+            finish: str | None = None
+            final_usage: dict[str, Any] | None = None
+            async for text, reason, use in events():
+                texts.append(text)
+                finish, final_usage = reason or finish, use or final_usage
+            out = whole("".join(texts), finish)
+            out["usage"] = final_usage or {"prompt_tokens": len(ids), "completion_tokens": None, "total_tokens": None}
+            return JSONResponse(out)
+
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        stream = events()
+        try:  # the first event before the 200: a refusal is still an error status
+            head = await anext(stream)
+        except StopAsyncIteration:
+            head = None
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                item = head
+                while item is not None:
+                    text, reason, use = item
+                    yield f"data: {json.dumps(piece(text, reason))}\n\n"
+                    if reason is not None:
+                        if include_usage:
+                            tail = piece("", None) | {"choices": [], "usage": use}
+                            yield f"data: {json.dumps(tail)}\n\n"
+                        break
+                    item = await anext(stream, None)
+                yield "data: [DONE]\n\n"
+            except APIError as exc:
+                yield f"data: {json.dumps(error_body(exc.message, exc.type, exc.param, exc.code))}\n\n"
+            finally:
+                await stream.aclose()  # a client gone mid-stream: the request is aborted
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    return app
+
