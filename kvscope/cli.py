@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("replay", parents=[verbose], help="replay a trace through the engine")
     rep.add_argument("trace", type=Path)
     rep.add_argument("--agent", default=None, help="send events to this agent")
+    rep.add_argument("--server", default=None, help="replay over HTTP against this kvscope serve URL, sessions concurrently (the server's engine and cache flags apply, not these)")
+    rep.add_argument("--max-sessions", type=_positive_int, default=None, help="with --server: sessions in flight at once (default: all)")
     _add_replay_flags(rep)
 
     gen = sub.add_parser("generate", parents=[verbose], help="generate text")
@@ -393,6 +395,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     replay_cfg, cache_cfg = _replay_config(args)
     err = Console(stderr=True, soft_wrap=True)
+    if args.server:
+        return _replay_over_http(args, replay_cfg)
     try:
         requests = load_trace(args.trace)
         run = run_replay(
@@ -419,6 +423,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         summary.render(Console())
     return 1 if run.lost_events or not consistent else 0
+
+
+def _replay_over_http(args: argparse.Namespace, config: ReplayConfig) -> int:
+    """``kvscope replay TRACE --server URL``: the clients' view as one JSON object."""
+    import asyncio
+
+    from engine.trace.formats import TraceError, load_trace
+    from engine.trace.http_replay import ServerError, replay_over_http
+
+    try:
+        requests = load_trace(args.trace)
+        result = asyncio.run(replay_over_http(args.server, requests, config, max_sessions=args.max_sessions))
+    except (TraceError, ServerError) as exc:
+        raise UserError(str(exc)) from None
+    print(json.dumps(result.to_json()))
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

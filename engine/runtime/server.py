@@ -9,7 +9,8 @@ Endpoints, as the OpenAI API and vLLM's server define them:
   fair across), ``stream`` (server-sent events ending with ``data: [DONE]``;
   ``stream_options.include_usage`` adds a usage chunk). ``usage.prompt_tokens_details.cached_tokens``
   is the prompt tokens the prefix cache served (its recoverable tokens).
-* ``GET /v1/models``, ``GET /health`` (503 once the engine thread has died), ``GET /metrics``
+* ``GET /v1/models`` (with the vocabulary size, which trace replays need for token-id prompts),
+  ``GET /health`` (503 once the engine thread has died), ``GET /metrics``
   (Prometheus text: requests by finish reason, prompt / cached / generated tokens, time to first
   token, requests running and waiting, preemptions).
 
@@ -208,7 +209,8 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "kvscope"}]}
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "kvscope", "vocab_size": llm.layout.vocab_size}
+        return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -6,26 +6,36 @@ time, and a client that disconnects mid-stream (its request aborted, its blocks 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from engine.events import RequestEvent
 from engine.llm import LLM
 from engine.runtime import Runtime, SchedulerConfig
 from engine.runtime.engine_loop import EngineLoop
+from engine.runtime.runtime import RuntimeRequest
 from engine.runtime.server import StopStrings, create_app, render_chat
 from engine.sampling import SamplingParams
 from engine.telemetry import ListSink
-from tests.helpers import assert_no_leases, free_port
+from engine.trace.formats import TraceRequest, load_trace
+from engine.trace.http_replay import replay_over_http
+from engine.trace.replay import ReplayConfig
+from tests.helpers import TOLERANCE, assert_no_leases, free_port
 
 MODEL = "kvscope_hybrid-tiny"
+WEKA_SLICE = Path(__file__).resolve().parents[2] / "kvscope" / "data" / "weka_slice" / "traces"
 PROMPT = "The prefix cache keeps every form of state explicit. "
 
 
@@ -50,7 +60,13 @@ class Served:
 def served() -> Iterator[Served]:
     sink = ListSink()
     llm = LLM(MODEL, device="cpu", telemetry=sink, check_invariants=True)
-    runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
+    with serve(llm, Runtime(llm, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)), sink) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def serve(llm: LLM, runtime: Runtime, sink: ListSink) -> Iterator[Served]:
+    """uvicorn on a free loopback port in a thread, until the block ends."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(EngineLoop(runtime), MODEL), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -181,3 +197,66 @@ def test_a_client_gone_mid_stream_frees_its_request(served: Served) -> None:
     assert ended and ended[-1].output_tokens < 200  # aborted, not run to max_tokens
     metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
     assert "kvscope_server_requests_total" in metrics and "kvscope_server_time_to_first_token_seconds_bucket" in metrics
+
+
+def test_thirty_two_weka_sessions_replayed_through_the_server(tmp_path: Path) -> None:
+    """The bundled weka slice's 32 sessions (two requests each) at once over HTTP: every request
+    completes, the cache's invariants hold after every engine step, later turns hit the prefix
+    cache, and the logits of a sample of requests equal cold recomputes."""
+    requests = load_trace(WEKA_SLICE)
+    firsts: dict[str, list[TraceRequest]] = {}
+    for r in sorted(requests, key=lambda r: r.arrival_seconds):
+        firsts.setdefault(r.session_id, [])
+        if len(firsts[r.session_id]) < 2:
+            firsts[r.session_id].append(r)
+    chosen = [r for rs in firsts.values() for r in rs]
+    assert len(firsts) == 32 and len(chosen) == 64
+    sink = ListSink()
+    llm = LLM(MODEL, device="cpu", telemetry=sink, check_invariants=True)
+    runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32))
+    sampled: list[RuntimeRequest] = []
+    add = runtime.add_request
+
+    def add_sampling_every_eighth(*args: Any, **kwargs: Any) -> RuntimeRequest:
+        r = add(*args, **kwargs, keep_logits=len(runtime.requests) % 8 == 0)
+        if r.keep_logits:
+            sampled.append(r)
+        return r
+
+    runtime.add_request = add_sampling_every_eighth  # type: ignore[method-assign]
+    most_running = 0
+
+    def step() -> list[RuntimeRequest]:
+        nonlocal most_running
+        most_running = max(most_running, len(runtime.running))
+        return Runtime.step(runtime)
+
+    runtime.step = step  # type: ignore[method-assign]
+    config = ReplayConfig(block_tokens=1, speed=1e6, max_wait_seconds=0.0, max_output_tokens=4)
+    with serve(llm, runtime, sink) as s:
+        result = asyncio.run(replay_over_http(s.url, chosen, config))
+    assert result.requests == 64 and result.skipped == 0 and result.sessions == 32
+    assert most_running >= 16  # the sessions really overlapped in the engine
+    assert result.cached_tokens > 0.3 * result.prompt_tokens  # second turns resume from the first
+    assert len(result.ttft_seconds) == 64
+    assert sampled
+    cold = LLM(MODEL, device="cpu")
+    for r in sampled:
+        for i, row in enumerate(r.sampled_logits):
+            want = cold.prefill_logits(r.prompt_token_ids + r.output_token_ids[:i])[-1]
+            assert (row - want).abs().max().item() <= TOLERANCE[torch.float32]
+    assert_no_leases(llm)
+
+
+def test_kvscope_replay_drives_a_server(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvscope.cli import main
+
+    argv = ["replay", str(WEKA_SLICE), "--server", served.url, "--max-requests", "12", "--block-tokens", "1", "--speed", "1000000", "--max-output-tokens", "2"]
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests"] == 12 and summary["output_tokens"] == 24 and summary["ttft_p50_seconds"] > 0
+    with pytest.raises(SystemExit) as refused:
+        main(["replay", str(WEKA_SLICE), "--server", f"http://127.0.0.1:{free_port()}", "--max-requests", "1"])
+    assert refused.value.code == 2 and "no /v1/models answer" in capsys.readouterr().err

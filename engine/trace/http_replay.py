@@ -1,0 +1,191 @@
+"""Replaying a trace through a running ``kvscope serve`` over HTTP, many sessions at once.
+
+Every session of the trace (a weka conversation, each of its sub-agents, a Mooncake session) is
+its own client: its requests go out in order, each one no earlier than its scaled arrival time
+and not before the session's previous answer came back; sessions run concurrently (at most
+``max_sessions`` at a time when set). Arrival gaps are divided by ``speed`` and each gap is
+capped at ``max_wait_seconds``, as in the in-process replay (:mod:`engine.trace.replay`). Prompts
+are the same token ids the in-process replay builds (``PromptBuilder``), sent as
+``/v1/completions`` with ``stream`` on, so the time to the first streamed chunk is the request's
+TTFT as the client sees it; ``user`` carries the session, which the server's scheduler is fair
+across. The server's own engine emits the cache events to its agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from engine.trace.formats import TraceRequest
+from engine.trace.prompts import PromptBuilder
+from engine.trace.replay import DEFAULT_SCALE, ReplayConfig
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """The server could not be reached or answered something other than the API."""
+
+
+@dataclass(slots=True)
+class HttpReplayResult:
+    """What the clients saw."""
+
+    requests: int = 0
+    skipped: int = 0
+    """Requests the server refused (400: e.g. too large for its cache pools)."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_seconds: list[float] = field(default_factory=list)
+    e2e_seconds: list[float] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    sessions: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        def pct(values: list[float], q: float) -> float | None:
+            if not values:
+                return None
+            ordered = sorted(values)
+            return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+        return {
+            "sessions": self.sessions,
+            "requests": self.requests,
+            "skipped_requests": self.skipped,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cached_share": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
+            "output_tokens": self.output_tokens,
+            "wall_seconds": self.wall_seconds,
+            "output_tokens_per_second": self.output_tokens / self.wall_seconds if self.wall_seconds else None,
+            "total_tokens_per_second": (self.prompt_tokens + self.output_tokens) / self.wall_seconds if self.wall_seconds else None,
+            "ttft_p50_seconds": pct(self.ttft_seconds, 0.5),
+            "ttft_p99_seconds": pct(self.ttft_seconds, 0.99),
+            "ttft_mean_seconds": statistics.fmean(self.ttft_seconds) if self.ttft_seconds else None,
+            "e2e_p50_seconds": pct(self.e2e_seconds, 0.5),
+        }
+
+
+def compressed_offsets(requests: Sequence[TraceRequest], speed: float, max_wait_seconds: float) -> dict[str, float]:
+    """Wall seconds from the replay's start at which each request may go out: the trace's arrival
+    gaps in global order, divided by ``speed``, each capped at ``max_wait_seconds``."""
+    offsets: dict[str, float] = {}
+    ordered = sorted(requests, key=lambda r: r.arrival_seconds)
+    clock, previous = 0.0, ordered[0].arrival_seconds if ordered else 0.0
+    for r in ordered:
+        clock += min(max(0.0, r.arrival_seconds - previous) / speed, max_wait_seconds)
+        previous = r.arrival_seconds
+        offsets[r.request_id] = clock
+    return offsets
+
+
+async def model_card(client: httpx.AsyncClient) -> dict[str, Any]:
+    """The server's one model (``/v1/models``), with kvscope's ``vocab_size``.
+
+    Raises:
+        ServerError: unreachable, or not a kvscope server.
+    """
+    try:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        card: dict[str, Any] = response.json()["data"][0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise ServerError(f"{client.base_url}: no /v1/models answer ({exc})") from None
+    if "vocab_size" not in card:
+        raise ServerError(f"{client.base_url}: the model card has no vocab_size (not a kvscope server?)")
+    return card
+
+
+async def replay_over_http(
+    base_url: str,
+    requests: Sequence[TraceRequest],
+    config: ReplayConfig,
+    *,
+    max_sessions: int | None = None,
+    timeout_seconds: float = 600.0,
+    on_request: Callable[[TraceRequest, dict[str, Any] | None], None] | None = None,
+) -> HttpReplayResult:
+    """Replay ``requests`` against the server at ``base_url`` (module docstring).
+
+    ``on_request(request, usage)`` is called as each request ends (usage None when refused).
+
+    Raises:
+        ServerError: the server is unreachable, answers 5xx, or breaks the stream.
+    """
+    todo = list(requests[: config.max_requests] if config.max_requests else requests)
+    result = HttpReplayResult()
+    if not todo:
+        return result
+    offsets = compressed_offsets(todo, config.speed, config.max_wait_seconds)
+    sessions: dict[str, list[TraceRequest]] = defaultdict(list)
+    for r in sorted(todo, key=lambda r: r.arrival_seconds):
+        sessions[r.session_id].append(r)
+    result.sessions = len(sessions)
+    limits = httpx.Limits(max_connections=max(len(sessions), 1), max_keepalive_connections=max(len(sessions), 1))
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_seconds, limits=limits) as client:
+        card = await model_card(client)
+        block_tokens = config.block_tokens or max(1, todo[0].block_tokens // DEFAULT_SCALE)
+        builder = PromptBuilder(block_tokens, int(card["vocab_size"]), config.seed)
+        gate = asyncio.Semaphore(max_sessions or len(sessions))
+        start = time.monotonic()
+
+        async def one(req: TraceRequest) -> None:
+            body = {
+                "model": card["id"], "prompt": builder.prompt(req), "max_tokens": builder.output_tokens(req, config.max_output_tokens),
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "user": req.session_id,
+            }  # fmt: skip
+            sent = time.monotonic()
+            ttft: float | None = None
+            usage: dict[str, Any] | None = None
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code == 400:
+                        message = json.loads(await response.aread()).get("error", {}).get("message", "")
+                        log.warning("request %s refused: %s", req.request_id, message)
+                        result.skipped += 1
+                    elif response.status_code != 200:
+                        raise ServerError(f"{req.request_id}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+                    else:
+                        async for line in response.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            chunk = json.loads(line[6:])
+                            if "error" in chunk:
+                                raise ServerError(f"{req.request_id}: {chunk['error'].get('message')}")
+                            if ttft is None and chunk.get("choices"):
+                                ttft = time.monotonic() - sent
+                            usage = chunk.get("usage") or usage
+            except httpx.HTTPError as exc:
+                raise ServerError(f"{req.request_id}: {exc!r}") from None
+            if usage is not None:
+                result.requests += 1
+                result.prompt_tokens += int(usage["prompt_tokens"])
+                result.output_tokens += int(usage["completion_tokens"])
+                result.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                result.e2e_seconds.append(time.monotonic() - sent)
+                if ttft is not None:
+                    result.ttft_seconds.append(ttft)
+            if on_request is not None:
+                on_request(req, usage)
+
+        async def session(reqs: list[TraceRequest]) -> None:
+            async with gate:
+                for req in reqs:
+                    delay = start + offsets[req.request_id] - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    await one(req)
+
+        await asyncio.gather(*(session(reqs) for reqs in sessions.values()))
+        result.wall_seconds = time.monotonic() - start
+    return result
