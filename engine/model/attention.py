@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from engine.config import HybridConfig
 from engine.model import kernel_backend as kb
+from engine.model.decode_batch import DecodeBatch, paged_decode
 from engine.model.layers import apply_rotary
 from engine.model.state import SequenceState
 
@@ -46,7 +47,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState | DecodeBatch) -> Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -54,6 +55,9 @@ class Attention(nn.Module):
         cos, sin = rope
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
+        if isinstance(state, DecodeBatch):
+            out = paged_decode(q, state.write_kv(self.layer, k, v), scale=self.head_dim**-0.5, window=self.window, backend=self.kernel_backend)
+            return self.o_proj(out.reshape(t, -1))
         if self.kernel_backend == "triton":
             pages = state.attention_pages(self.layer, positions, k, v)
             out = kb.paged_attention(q, pages, scale=self.head_dim**-0.5, window=self.window)

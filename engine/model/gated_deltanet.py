@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from engine.config import HybridConfig
 from engine.model import kernel_backend as kb
+from engine.model.decode_batch import DecodeBatch, conv_decode, delta_rule_decode
 from engine.model.state import LinearLayerState, SequenceState
 
 CHUNKED_MIN_TOKENS = 32
@@ -175,12 +176,15 @@ class GatedDeltaNet(nn.Module):
     def recurrent_state_shape(self) -> tuple[int, int, int]:
         return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
-    def forward(self, x: Tensor, state: SequenceState) -> Tensor:
+    def forward(self, x: Tensor, state: SequenceState | DecodeBatch) -> Tensor:
         t = x.shape[0]
-        layer_state: LinearLayerState = state.linear(self.layer)
+        batch = state if isinstance(state, DecodeBatch) else None
+        layer_state: LinearLayerState = state.linear(self.layer) if not isinstance(state, DecodeBatch) else None  # type: ignore[assignment]
         mixed = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         triton = self.kernel_backend == "triton"
-        if triton:
+        if batch is not None:  # one token per row, state in the static decode slots
+            mixed = conv_decode(mixed, self.conv_weight, batch.linear(self.layer)[0], batch.slot_ids, backend=self.kernel_backend)
+        elif triton:
             mixed = kb.causal_conv1d(mixed, self.conv_weight, layer_state)
         else:
             mixed, layer_state.conv = causal_conv1d(mixed, self.conv_weight, layer_state.conv)
@@ -195,7 +199,9 @@ class GatedDeltaNet(nn.Module):
         q, k = l2norm(q.float()), l2norm(k.float())
         beta = torch.sigmoid(self.b_proj(x).float())
         g = -self.A_log.float().exp() * nn.functional.softplus(self.a_proj(x).float() + self.dt_bias.float())
-        if triton:
+        if batch is not None:
+            o = delta_rule_decode(q, k, v, g, beta, batch.linear(self.layer)[1], batch.slot_ids, backend=self.kernel_backend)
+        elif triton:
             o, layer_state.recurrent = kb.gated_delta_rule(q, k, v, g, beta, layer_state.recurrent)
         else:
             rule = chunk_gated_delta_rule if t >= CHUNKED_MIN_TOKENS else gated_delta_rule

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from engine.model import kernel_backend as kb
 from engine.model.attention import attention_mask
+from engine.model.decode_batch import DecodeBatch, conv_decode, delta_rule_decode, paged_decode
 from engine.model.gated_deltanet import (
     CHUNKED_MIN_TOKENS,
     causal_conv1d,
@@ -94,7 +95,7 @@ class Qwen3NextAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState | DecodeBatch) -> Tensor:
         t, d = x.shape[0], self.head_dim
         query_and_gate = self.q_proj(x).view(t, self.num_heads, 2 * d)
         q, gate = query_and_gate[..., :d], query_and_gate[..., d:]
@@ -102,7 +103,10 @@ class Qwen3NextAttention(nn.Module):
         q = apply_partial_rotary(self.q_norm(q), cos, sin)
         k = apply_partial_rotary(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
-        if self.kernel_backend == "triton":
+        if isinstance(state, DecodeBatch):
+            decoded = paged_decode(q, state.write_kv(self.layer, k, v), scale=self.scale, window=None, backend=self.kernel_backend)
+            out = decoded.reshape(t, self.num_heads * d)
+        elif self.kernel_backend == "triton":
             pages = state.attention_pages(self.layer, positions, k, v)
             out = kb.paged_attention(q, pages, scale=self.scale, window=None).reshape(t, self.num_heads * d)
         else:
@@ -186,12 +190,16 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             a.reshape(t, self.num_v_heads),
         )
 
-    def forward(self, x: Tensor, state: SequenceState) -> Tensor:
+    def forward(self, x: Tensor, state: SequenceState | DecodeBatch) -> Tensor:
         t = x.shape[0]
-        layer_state: LinearLayerState = state.linear(self.layer)
+        batch = state if isinstance(state, DecodeBatch) else None
+        layer_state: LinearLayerState = state.linear(self.layer) if not isinstance(state, DecodeBatch) else None  # type: ignore[assignment]
         q, k, v, z, b, a = self._unpack_projections(x)
         triton = self.kernel_backend == "triton"
-        if triton:
+        if batch is not None:  # one token per row, state in the static decode slots
+            weight = self.conv1d.weight[:, 0, :]
+            mixed = conv_decode(torch.cat((q, k, v), dim=-1), weight, batch.linear(self.layer)[0], batch.slot_ids, backend=self.kernel_backend)
+        elif triton:
             mixed = kb.causal_conv1d(torch.cat((q, k, v), dim=-1), self.conv1d.weight[:, 0, :], layer_state)
         else:
             mixed, layer_state.conv = causal_conv1d(torch.cat((q, k, v), dim=-1), self.conv1d.weight[:, 0, :], layer_state.conv)
@@ -205,7 +213,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias.float())
-        if triton:
+        if batch is not None:
+            o = delta_rule_decode(q, k, v, g, beta, batch.linear(self.layer)[1], batch.slot_ids, backend=self.kernel_backend)
+        elif triton:
             o, layer_state.recurrent = kb.gated_delta_rule(q, k, v, g, beta, layer_state.recurrent)
         else:
             rule = chunk_gated_delta_rule if t >= CHUNKED_MIN_TOKENS else gated_delta_rule

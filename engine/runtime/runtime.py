@@ -40,6 +40,7 @@ from engine.events import Form
 from engine.llm import LLM
 from engine.model.state import PackedStates
 from engine.outputs import CacheReport, RequestOutput
+from engine.runtime.model_runner import DecodeRunner, supports_static_decode
 from engine.runtime.scheduler import Scheduler, SchedulerConfig
 from engine.sampling import Sampler, SamplingParams
 
@@ -83,6 +84,8 @@ class RuntimeRequest:
     e2e_seconds: float | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    decode_slot: int | None = None
+    """The decode runner's slot holding this request's recurrent state while it decodes."""
     sampler: Sampler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -120,11 +123,22 @@ class Runtime:
             model and emits through its sink. Do not run ``llm.generate`` on the same engine
             while the runtime has requests.
         config: the scheduler's limits.
+        static_decode: decode through the :class:`~engine.runtime.model_runner.DecodeRunner`
+            (persistent buffers, padded batches, decode slots); None: whenever the model has the
+            batched decode path (not yet for DeepSeek-V4 attention layers).
+        decode_batch_sizes: the runner's padded sizes (default: its own list).
     """
 
-    def __init__(self, llm: LLM, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self, llm: LLM, config: SchedulerConfig | None = None, *, static_decode: bool | None = None, decode_batch_sizes: tuple[int, ...] | None = None
+    ) -> None:
         self.llm = llm
         self.config = config or SchedulerConfig()
+        if static_decode is None:
+            static_decode = supports_static_decode(llm.model)
+        self.decode_runner = (
+            DecodeRunner(llm, self.config.max_num_seqs, self.config.max_model_len, decode_batch_sizes) if static_decode else None
+        )
         self.scheduler = Scheduler(self.config)
         self.waiting: list[RuntimeRequest] = []
         self.running: list[RuntimeRequest] = []
@@ -160,6 +174,8 @@ class Runtime:
         ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.llm._as_tensor(ids)
         self.llm._check_fits(len(ids), params.max_tokens)
+        if len(ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"{len(ids)} prompt + {params.max_tokens} output tokens exceed max_model_len = {self.config.max_model_len}")
         rid = request_id or self.llm._next_request_id()
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -228,20 +244,38 @@ class Runtime:
         if not prepared:
             return []
         llm = self.llm
-        ids = llm._ids([t for r, start, end, _ in prepared for t in r.seq.token_ids[start:end]])  # type: ignore[union-attr]
-        positions = [p for *_, p in prepared]
-        states = tuple(r.seq for r, *_ in prepared)
-        logits = llm.model(ids, torch.cat(positions), PackedStates(states, tuple(positions)))  # type: ignore[arg-type]
+        runner = self.decode_runner
+        decoding = [p for p in prepared if runner is not None and p[2] - p[1] == 1 and p[2] == p[0].num_tokens]
+        static = {id(p[0]) for p in decoding}
+        packed = [p for p in prepared if id(p[0]) not in static]
+        last_rows: dict[int, Tensor] = {}  # id(request) -> the logits row its token is sampled from
+        if decoding:
+            assert runner is not None
+            for r, *_ in decoding:
+                if r.decode_slot is None:
+                    r.decode_slot = runner.acquire(r.seq)  # type: ignore[arg-type]
+            max_rows = runner.sizes[-1]
+            for first in range(0, len(decoding), max_rows):
+                part = decoding[first : first + max_rows]
+                rows = runner.run([(r.seq, r.decode_slot) for r, *_ in part])  # type: ignore[misc]
+                last_rows |= {id(r): rows[i] for i, (r, *_) in enumerate(part)}
+        if packed:
+            ids = llm._ids([t for r, start, end, _ in packed for t in r.seq.token_ids[start:end]])  # type: ignore[union-attr]
+            positions = [p for *_, p in packed]
+            states = tuple(r.seq for r, *_ in packed)
+            logits = llm.model(ids, torch.cat(positions), PackedStates(states, tuple(positions)))  # type: ignore[arg-type]
+            offset = 0
+            for r, start, end, _ in packed:
+                offset += end - start
+                last_rows[id(r)] = logits[offset - 1]
         touched: list[RuntimeRequest] = []
-        offset = 0
         for r, _, end, _ in prepared:
             seq = r.seq
             assert seq is not None
-            offset += end - seq.num_computed_tokens
             seq.commit(end, take_checkpoint=end in seq.checkpoint_positions)
             if end == len(seq.token_ids):
                 self._prefill_done(r)
-                self._sample(r, logits[offset - 1])
+                self._sample(r, last_rows[id(r)])
                 touched.append(r)
         if llm.check_invariants:
             llm.cache.check_invariants()
@@ -325,6 +359,10 @@ class Runtime:
         self.num_preemptions += 1
 
     def _release(self, r: RuntimeRequest) -> None:
+        if r.decode_slot is not None:
+            assert self.decode_runner is not None
+            self.decode_runner.release(r.decode_slot)
+            r.decode_slot = None
         if r.recovering and r.admitted is not None:
             self.llm.cache.finish_recovery(r.admitted)
             r.recovering = False

@@ -32,6 +32,8 @@ class SchedulerConfig:
 
     max_num_batched_tokens: tokens computed per step, decode and prefill together.
     max_num_seqs: requests running at once (holding leases and a working state).
+    max_model_len: the longest request, prompt and output tokens together (sizes the decode
+        runner's block tables).
 
     Raises:
         ValueError: a limit below 1.
@@ -39,9 +41,10 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 32
+    max_model_len: int = 32768
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)} must be at least 1")
 

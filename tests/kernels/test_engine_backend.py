@@ -160,3 +160,23 @@ def test_the_indexer_choice_is_the_same_on_both_sides_of_the_kernel_sort_limit(
     assert indices.dtype == torch.int32 and valid.any()
     assert torch.equal(kernels.indexer_topk.chosen_mask(indices, valid, n), want)
     assert launches["indexer_topk"] == (1 if max_keys is None else 0)
+
+
+def test_the_runtime_decodes_through_the_kernels_in_padded_batches(device: str, launches: Counter[str]) -> None:
+    """The runtime's static decode batches (padded to 4, decode slots) on the Triton backend give
+    the torch backend's logits."""
+    from engine.runtime import Runtime, SchedulerConfig
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (40 + 7 * i,), generator=gen).tolist() for i in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    rows: dict[str, list[torch.Tensor]] = {}
+    for backend in ("torch", "triton"):
+        llm = LLM("qwen3_next-tiny", device=device, kernel_backend=backend, check_invariants=True)
+        runtime = Runtime(llm, SchedulerConfig(max_num_seqs=4), decode_batch_sizes=(4,))
+        added = [runtime.add_request(p, params, keep_logits=True) for p in prompts]
+        runtime.run()
+        rows[backend] = [row for r in added for row in r.sampled_logits]
+    assert launches["paged_decode_attention"] and launches["fused_recurrent_gated_delta_rule"] and launches["causal_conv1d_update"]
+    for a, b in zip(rows["torch"], rows["triton"], strict=True):
+        assert (a - b).abs().max().item() <= BACKEND_PARITY

@@ -1,0 +1,179 @@
+"""The decode model runner: persistent input buffers, block tables and decode slots, and decode
+batches padded to fixed sizes (vLLM's ``GPUModelRunner`` persistent batch, the shape CUDA graphs
+are captured at).
+
+Buffers are allocated once, for the largest batch size, and never reallocated: each step fills a
+prefix ``[:B_pad]`` of them in place (``copy_``), so every tensor the forward reads keeps its
+address from step to step — what a captured CUDA graph needs. On CPU the same path runs eagerly.
+Graph capture itself is not done yet: the kernels' launchers validate their arguments on the host
+(``int(...)`` on device tensors), which a capture cannot contain.
+
+Padding (case C10): rows ``[B, B_pad)`` get token 0 at position 0, ``seq_lens`` 0, every KV
+form's sentinel page (block 0) as their block table and write page, and decode slot 0, the
+sentinel slot no request can own. Whatever they compute and write lands there.
+
+Decode slots: a request's working recurrent state (conv and delta-rule state of every linear
+layer) moves into a static slot ``[S, ...]`` when it starts decoding; the batched step updates the
+slots in place, and the request's :class:`~engine.model.state.LinearLayerState` entries become
+views of its slot, so its state stays readable where the cache looks for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from engine.cache.sequence import PagedSequence
+from engine.llm import LLM
+from engine.model.decode_batch import DecodeBatch
+from engine.model.deepseek_v4_attention import DeepseekV4Attention
+from engine.model.state import LinearLayerState
+
+DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+"""Padded decode batch sizes (the sizes graphs would be captured at), up to ``max_num_seqs``."""
+
+
+def supports_static_decode(model: nn.Module) -> bool:
+    """Whether every mixer of ``model`` has the batched decode path: not yet DeepSeek-V4's
+    sliding, CSA and HCA layers (their compressor state is per sequence)."""
+    return not any(isinstance(m, DeepseekV4Attention) for m in model.modules())
+
+
+class DecodeRunner:
+    """Runs decode steps of up to ``max_num_seqs`` sequences over static buffers (module
+    docstring).
+
+    Args:
+        llm: the engine whose model and cache pools the buffers index.
+        max_num_seqs: the most rows a step holds (and decode slots, besides the sentinel).
+        max_model_len: the longest sequence, tokens; sets the block tables' width.
+        batch_sizes: the padded sizes to use (default: :data:`DECODE_BATCH_SIZES` up to
+            ``max_num_seqs``, which is always one of them).
+
+    Raises:
+        ValueError: a model without the batched decode path, or non-positive limits.
+    """
+
+    def __init__(self, llm: LLM, max_num_seqs: int, max_model_len: int, batch_sizes: tuple[int, ...] | None = None) -> None:
+        if not supports_static_decode(llm.model):
+            raise ValueError(f"{llm.model_name}: DeepSeek-V4 attention layers have no batched decode path yet")
+        if max_num_seqs < 1 or max_model_len < 1:
+            raise ValueError("max_num_seqs and max_model_len must be positive")
+        sizes = batch_sizes or tuple(s for s in DECODE_BATCH_SIZES if s < max_num_seqs)
+        self.sizes = tuple(sorted({*sizes, max_num_seqs} if batch_sizes is None else set(sizes)))
+        if self.sizes[-1] < max_num_seqs:
+            raise ValueError(f"batch sizes {self.sizes} do not reach max_num_seqs = {max_num_seqs}")
+        self.llm = llm
+        cache = llm.cache
+        device = cache.device
+        rows = self.sizes[-1]
+        self.unit = cache.unit_tokens
+        self.max_pages = math.ceil(max_model_len / self.unit)
+        self.forms = list(cache.kv_forms)
+        self.kv_of_layer = {layer: (kv, slot, i) for i, form in enumerate(self.forms) for layer, (kv, slot) in form.layer_slot.items()}
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.block_tables = [torch.zeros((rows, self.max_pages), dtype=torch.int32, device=device) for _ in self.forms]
+        self.seq_lens = [torch.zeros(rows, dtype=torch.int32, device=device) for _ in self.forms]
+        self.write_pages = [torch.zeros(rows, dtype=torch.long, device=device) for _ in self.forms]
+        self.write_offsets = [torch.zeros(rows, dtype=torch.long, device=device) for _ in self.forms]
+        num_slots = self.num_slots = max_num_seqs + 1  # slot 0: the sentinel padding rows use
+        shapes = llm.layout.linear_state_shapes
+        self.conv = {layer: torch.zeros((num_slots, *conv), dtype=torch.float32, device=device) for layer, (conv, _) in shapes.items()}
+        self.recurrent = {layer: torch.zeros((num_slots, *rec), dtype=torch.float32, device=device) for layer, (_, rec) in shapes.items()}
+        self._free = list(range(num_slots - 1, 0, -1))
+
+    def buffers(self) -> list[Tensor]:
+        """Every persistent tensor the decode forward reads or writes (besides the pools)."""
+        return [
+            self.input_ids, self.positions, self.slot_ids, *self.block_tables, *self.seq_lens,
+            *self.write_pages, *self.write_offsets, *self.conv.values(), *self.recurrent.values(),
+        ]  # fmt: skip
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self, seq: PagedSequence) -> int:
+        """Give ``seq`` a decode slot: its working recurrent state is copied in, and its
+        ``linear_states`` become views of the slot.
+
+        Raises:
+            RuntimeError: every slot is taken (more decoding sequences than ``max_num_seqs``).
+        """
+        if not self._free:
+            raise RuntimeError("no free decode slot: more sequences decoding than max_num_seqs")
+        slot = self._free.pop()
+        for layer, state in seq.linear_states.items():
+            self.conv[layer][slot].copy_(state.conv)
+            self.recurrent[layer][slot].copy_(state.recurrent)
+            seq.linear_states[layer] = LinearLayerState(self.conv[layer][slot], self.recurrent[layer][slot])
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Return a request's slot (its state there is left as is; the next owner overwrites it).
+
+        Raises:
+            RuntimeError: the sentinel, an unknown slot, or one already free.
+        """
+        if not 0 < slot < self.num_slots:
+            raise RuntimeError(f"decode slot {slot} is not a releasable slot")
+        if slot in self._free:
+            raise RuntimeError(f"decode slot {slot} released twice")
+        self._free.append(slot)
+
+    def padded_size(self, rows: int) -> int:
+        return next(s for s in self.sizes if s >= rows)
+
+    @torch.no_grad()
+    def run(self, rows: list[tuple[PagedSequence, int]]) -> Tensor:
+        """One decode step for ``rows`` (sequence, decode slot), each with its one-token chunk
+        begun (``begin_chunk``) and not yet committed. Returns logits ``[len(rows), vocab]``.
+
+        Raises:
+            ValueError: more rows than the largest batch size, or a sequence longer than
+                ``max_model_len``.
+        """
+        b = len(rows)
+        if not 0 < b <= self.sizes[-1]:
+            raise ValueError(f"{b} rows for decode batches of at most {self.sizes[-1]}")
+        b_pad = self.padded_size(b)
+        ids, positions, slots = [], [], []
+        tables: list[list[list[int]]] = [[] for _ in self.forms]
+        for seq, slot in rows:
+            pos = seq.num_computed_tokens
+            if pos + 1 > self.max_pages * self.unit:
+                raise ValueError(f"a sequence of {pos + 1} tokens exceeds max_model_len = {self.max_pages * self.unit}")
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(slot)
+            for i, form in enumerate(self.forms):
+                tables[i].append(seq.tables[form])
+        pad = b_pad - b
+        self.input_ids[:b_pad].copy_(torch.tensor(ids + [0] * pad))
+        self.positions[:b_pad].copy_(torch.tensor(positions + [0] * pad))
+        self.slot_ids[:b_pad].copy_(torch.tensor(slots + [0] * pad))
+        for i in range(len(self.forms)):
+            table = torch.zeros((b_pad, self.max_pages), dtype=torch.int32)
+            for r, row in enumerate(tables[i]):
+                table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            self.block_tables[i][:b_pad].copy_(table)
+            self.seq_lens[i][:b_pad].copy_(torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32))
+            self.write_pages[i][:b_pad].copy_(torch.tensor([tables[i][r][p // self.unit] for r, p in enumerate(positions)] + [0] * pad))
+            self.write_offsets[i][:b_pad].copy_(torch.tensor([p % self.unit for p in positions] + [0] * pad))
+        batch = DecodeBatch(
+            size=b_pad,
+            kv_of_layer=self.kv_of_layer,
+            block_tables=[t[:b_pad] for t in self.block_tables],
+            seq_lens=[t[:b_pad] for t in self.seq_lens],
+            write_pages=[t[:b_pad] for t in self.write_pages],
+            write_offsets=[t[:b_pad] for t in self.write_offsets],
+            slot_ids=self.slot_ids[:b_pad],
+            conv=self.conv,
+            recurrent=self.recurrent,
+        )
+        logits = self.llm.model(self.input_ids[:b_pad], self.positions[:b_pad], batch)
+        return logits[:b]
