@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--port", type=_port, default=8501)
     dash.add_argument("--host", default="127.0.0.1")
 
-    rep = sub.add_parser("replay", parents=[verbose], help="replay a trace through the engine")
+    rep = sub.add_parser("replay", parents=[verbose], help="replay a trace (weka, Mooncake; SWE-agent .traj chats with --server) through the engine")
     rep.add_argument("trace", type=Path)
     rep.add_argument("--agent", default=None, help="send events to this agent")
     rep.add_argument("--server", default=None, help="replay over HTTP against this kvscope serve URL, sessions concurrently (the server's engine and cache flags apply, not these)")
@@ -397,6 +397,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     err = Console(stderr=True, soft_wrap=True)
     if args.server:
         return _replay_over_http(args, replay_cfg)
+    from engine.trace.formats import is_swe_agent
+
+    if is_swe_agent(args.trace):
+        raise UserError(f"{args.trace}: SWE-agent trajectories are text chats; replay them through a server (--server URL)")
     try:
         requests = load_trace(args.trace)
         run = run_replay(
@@ -429,12 +433,16 @@ def _replay_over_http(args: argparse.Namespace, config: ReplayConfig) -> int:
     """``kvscope replay TRACE --server URL``: the clients' view as one JSON object."""
     import asyncio
 
-    from engine.trace.formats import TraceError, load_trace
-    from engine.trace.http_replay import ServerError, replay_over_http
+    from engine.trace.formats import TraceError, is_swe_agent, load_trace, read_swe_agent
+    from engine.trace.http_replay import ServerError, replay_chats_over_http, replay_over_http
 
     try:
-        requests = load_trace(args.trace)
-        result = asyncio.run(replay_over_http(args.server, requests, config, max_sessions=args.max_sessions))
+        if is_swe_agent(args.trace):
+            sessions = read_swe_agent(args.trace)
+            run = replay_chats_over_http(args.server, sessions, max_output_tokens=config.max_output_tokens, max_sessions=args.max_sessions)
+        else:
+            run = replay_over_http(args.server, load_trace(args.trace), config, max_sessions=args.max_sessions)
+        result = asyncio.run(run)
     except (TraceError, ServerError) as exc:
         raise UserError(str(exc)) from None
     print(json.dumps(result.to_json()))

@@ -201,3 +201,63 @@ def load_trace(path: Path, *, session_stagger_seconds: float = 30.0) -> list[Tra
     requests.sort(key=lambda r: r.arrival_seconds)
     return requests
 
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatTurn:
+    """One model call of an agent conversation: the messages it was sent (``{"role",
+    "content"}``, text) and the length of the answer it gave (characters)."""
+
+    messages: tuple[dict[str, str], ...]
+    answer_chars: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatSession:
+    session_id: str
+    turns: tuple[ChatTurn, ...]
+
+
+SWE_AGENT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def is_swe_agent(path: Path) -> bool:
+    """A SWE-agent ``.traj`` file, or a directory holding some."""
+    return path.suffix == ".traj" or (path.is_dir() and any(path.glob("*.traj")))
+
+
+def read_swe_agent(path: Path) -> list[ChatSession]:
+    """SWE-agent trajectories (``.traj``: ``history[]`` of ``{role, content}`` messages) as chat
+    sessions: every assistant message is one model call whose prompt is the history before it
+    (so successive calls share a growing prefix, as the agent sent them). Tool messages are sent
+    with the ``tool`` role.
+
+    Raises:
+        TraceError: a file that is not JSON or has no usable history (names file and field).
+    """
+    if not path.exists():
+        raise TraceError(f"{path}: no such trace file or directory")
+    files = sorted(path.glob("*.traj")) if path.is_dir() else [path]
+    if not files:
+        raise TraceError(f"{path}: no SWE-agent trajectories (*.traj)")
+    sessions = []
+    for f in files:
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TraceError(f"{f}: not a readable trajectory ({exc})") from None
+        history = doc.get("history") if isinstance(doc, dict) else None
+        if not isinstance(history, list):
+            raise TraceError(f"{f}: field 'history' must be a list of messages")
+        messages: list[dict[str, str]] = []
+        turns = []
+        for i, m in enumerate(history):
+            role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+            if role not in SWE_AGENT_ROLES or not isinstance(content, str):
+                raise TraceError(f"{f}: history[{i}] must have a role in {sorted(SWE_AGENT_ROLES)} and text content")
+            if role == "assistant" and messages:
+                turns.append(ChatTurn(messages=tuple(messages), answer_chars=len(content)))
+            messages.append({"role": role, "content": content})
+        if turns:
+            sessions.append(ChatSession(session_id=f.stem, turns=tuple(turns)))
+    return sessions

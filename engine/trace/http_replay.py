@@ -9,6 +9,9 @@ are the same token ids the in-process replay builds (``PromptBuilder``), sent as
 ``/v1/completions`` with ``stream`` on, so the time to the first streamed chunk is the request's
 TTFT as the client sees it; ``user`` carries the session, which the server's scheduler is fair
 across. The server's own engine emits the cache events to its agent.
+
+Agent conversations with their full text (SWE-agent trajectories) replay as chats instead:
+:func:`replay_chats_over_http`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from engine.trace.formats import TraceRequest
+from engine.trace.formats import ChatSession, TraceRequest
 from engine.trace.prompts import PromptBuilder
 from engine.trace.replay import DEFAULT_SCALE, ReplayConfig
 
@@ -106,6 +109,83 @@ async def model_card(client: httpx.AsyncClient) -> dict[str, Any]:
     return card
 
 
+async def streamed(client: httpx.AsyncClient, path: str, body: dict[str, Any], name: str, result: HttpReplayResult) -> dict[str, Any] | None:
+    """POST one streamed request, count it into ``result`` (TTFT to the first chunk, usage from
+    the last); returns its usage, or None when the server refused it (400, counted skipped).
+
+    Raises:
+        ServerError: the server is unreachable, answers 5xx, or sends an error in the stream.
+    """
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    sent = time.monotonic()
+    ttft: float | None = None
+    usage: dict[str, Any] | None = None
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code == 400:
+                message = json.loads(await response.aread()).get("error", {}).get("message", "")
+                log.warning("request %s refused: %s", name, message)
+                result.skipped += 1
+                return None
+            if response.status_code != 200:
+                raise ServerError(f"{name}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise ServerError(f"{name}: {chunk['error'].get('message')}")
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.monotonic() - sent
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError as exc:
+        raise ServerError(f"{name}: {exc!r}") from None
+    if usage is None:
+        raise ServerError(f"{name}: the stream ended without usage")
+    result.requests += 1
+    result.prompt_tokens += int(usage["prompt_tokens"])
+    result.output_tokens += int(usage["completion_tokens"])
+    result.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    result.e2e_seconds.append(time.monotonic() - sent)
+    if ttft is not None:
+        result.ttft_seconds.append(ttft)
+    return usage
+
+
+CHARS_PER_TOKEN = 4
+"""A chat answer of N characters is replayed as about N / 4 output tokens (capped)."""
+
+
+async def replay_chats_over_http(
+    base_url: str, sessions: Sequence[ChatSession], *, max_output_tokens: int, max_sessions: int | None = None, timeout_seconds: float = 600.0
+) -> HttpReplayResult:
+    """Replay agent conversations (:func:`engine.trace.formats.read_swe_agent`) as real text
+    chats: every session its own client sending its model calls in order to
+    ``/v1/chat/completions`` with the history so far, as the agent did (so each call shares the
+    previous call's prefix); sessions concurrently, at most ``max_sessions`` at once.
+
+    Raises:
+        ServerError: as :func:`replay_over_http`.
+    """
+    result = HttpReplayResult(sessions=len(sessions))
+    limits = httpx.Limits(max_connections=max(len(sessions), 1), max_keepalive_connections=max(len(sessions), 1))
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_seconds, limits=limits) as client:
+        card = await model_card(client)
+        gate = asyncio.Semaphore(max_sessions or max(len(sessions), 1))
+        start = time.monotonic()
+
+        async def session(s: ChatSession) -> None:
+            async with gate:
+                for i, turn in enumerate(s.turns):
+                    tokens = max(1, min(max_output_tokens, turn.answer_chars // CHARS_PER_TOKEN))
+                    body = {"model": card["id"], "messages": list(turn.messages), "max_tokens": tokens, "temperature": 0, "user": s.session_id}
+                    await streamed(client, "/v1/chat/completions", body, f"{s.session_id}#{i}", result)
+
+        await asyncio.gather(*(session(s) for s in sessions))
+        result.wall_seconds = time.monotonic() - start
+    return result
+
+
 async def replay_over_http(
     base_url: str,
     requests: Sequence[TraceRequest],
@@ -142,39 +222,9 @@ async def replay_over_http(
         async def one(req: TraceRequest) -> None:
             body = {
                 "model": card["id"], "prompt": builder.prompt(req), "max_tokens": builder.output_tokens(req, config.max_output_tokens),
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "user": req.session_id,
+                "temperature": 0, "user": req.session_id,
             }  # fmt: skip
-            sent = time.monotonic()
-            ttft: float | None = None
-            usage: dict[str, Any] | None = None
-            try:
-                async with client.stream("POST", "/v1/completions", json=body) as response:
-                    if response.status_code == 400:
-                        message = json.loads(await response.aread()).get("error", {}).get("message", "")
-                        log.warning("request %s refused: %s", req.request_id, message)
-                        result.skipped += 1
-                    elif response.status_code != 200:
-                        raise ServerError(f"{req.request_id}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
-                    else:
-                        async for line in response.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            chunk = json.loads(line[6:])
-                            if "error" in chunk:
-                                raise ServerError(f"{req.request_id}: {chunk['error'].get('message')}")
-                            if ttft is None and chunk.get("choices"):
-                                ttft = time.monotonic() - sent
-                            usage = chunk.get("usage") or usage
-            except httpx.HTTPError as exc:
-                raise ServerError(f"{req.request_id}: {exc!r}") from None
-            if usage is not None:
-                result.requests += 1
-                result.prompt_tokens += int(usage["prompt_tokens"])
-                result.output_tokens += int(usage["completion_tokens"])
-                result.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                result.e2e_seconds.append(time.monotonic() - sent)
-                if ttft is not None:
-                    result.ttft_seconds.append(ttft)
+            usage = await streamed(client, "/v1/completions", body, req.request_id, result)
             if on_request is not None:
                 on_request(req, usage)
 

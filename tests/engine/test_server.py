@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -21,6 +23,7 @@ import pytest
 import torch
 import uvicorn
 
+from engine.cache import CacheConfig
 from engine.events import RequestEvent
 from engine.llm import LLM
 from engine.runtime import Runtime, SchedulerConfig
@@ -260,3 +263,45 @@ def test_kvscope_replay_drives_a_server(served: Served, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit) as refused:
         main(["replay", str(WEKA_SLICE), "--server", f"http://127.0.0.1:{free_port()}", "--max-requests", "1"])
     assert refused.value.code == 2 and "no /v1/models answer" in capsys.readouterr().err
+
+
+def test_swe_agent_trajectories_replay_as_text_chats(shared_data: Path) -> None:
+    """SWE-agent trajectories as sessions of chat calls with their real text (about 10k bytes of
+    prompt each), concurrently: each call's prompt is the history before one assistant message,
+    so a session's later calls resume from the prefix its earlier ones stored. The cache is sized
+    for prompts that long (the defaults keep 128 recurrent checkpoints: a few such sessions at
+    once evict each other's)."""
+    from engine.trace.formats import read_swe_agent
+    from engine.trace.http_replay import replay_chats_over_http
+
+    sessions = read_swe_agent(shared_data / "swe_agent_trajectories")
+    assert len(sessions) == 17 and all(s.turns for s in sessions)
+    first = sessions[0].turns
+    assert all(len(b.messages) > len(a.messages) and b.messages[: len(a.messages)] == a.messages for a, b in itertools.pairwise(first))
+    small = [dataclasses.replace(s, turns=s.turns[:2]) for s in sessions[:3]]
+    sink = ListSink()
+    cache = CacheConfig(linear_checkpoints=1024, swa_blocks=4096, compressed_blocks=8192, tail_slots=1024)
+    llm = LLM(MODEL, device="cpu", telemetry=sink, cache=cache)
+    with serve(llm, Runtime(llm, SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8)), sink) as s:
+        result = asyncio.run(replay_chats_over_http(s.url, small, max_output_tokens=2))
+        s.wait_idle()
+    assert result.requests == 6 and result.skipped == 0 and result.sessions == 3
+    assert result.cached_tokens > 0.4 * result.prompt_tokens  # second calls resume from the first
+    assert_no_leases(llm)
+
+
+def test_trajectory_files_are_checked(tmp_path: Path) -> None:
+    from engine.trace.formats import TraceError, read_swe_agent
+
+    bad = tmp_path / "broken.traj"
+    bad.write_text('{"history": [{"role": "wizard", "content": "hi"}]}')
+    with pytest.raises(TraceError, match=r"history\[0\] must have a role"):
+        read_swe_agent(bad)
+    bad.write_text("not json")
+    with pytest.raises(TraceError, match="not a readable trajectory"):
+        read_swe_agent(bad)
+    with pytest.raises(TraceError, match="no such trace file"):
+        read_swe_agent(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TraceError, match="no SWE-agent trajectories"):
+        read_swe_agent(tmp_path / "empty")
