@@ -93,6 +93,9 @@ class EngineLoop:
             put(Finished(r))
 
         def add() -> None:
+            if self.error is not None:  # queued just before the engine thread died
+                put(Failed(RuntimeError(f"the engine is not running ({self.error!r})")))
+                return
             try:
                 request = self.runtime.add_request(
                     prompt_token_ids, params, request_id=request_id, session=session,
@@ -104,6 +107,9 @@ class EngineLoop:
                 self._streams[request_id] = put
 
         done = False
+        if not self.alive:
+            yield Failed(RuntimeError(f"the engine is not running ({self.error!r})"))
+            return
         self.call(add)
         try:
             while True:
@@ -115,6 +121,16 @@ class EngineLoop:
         finally:
             if not done:
                 self.call(lambda: self._abort(request_id))
+
+    def _drain(self) -> None:
+        """Run the commands left in the queue (once the thread died, adds fail at once)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            with contextlib.suppress(Exception):
+                command()
 
     def _abort(self, request_id: str) -> None:
         if self.runtime.abort(request_id):
@@ -143,6 +159,7 @@ class EngineLoop:
             for put in list(self._streams.values()):
                 put(Failed(exc))
             self._streams.clear()
+            self._drain()
         finally:
             for rid in list(runtime.requests):
                 try:

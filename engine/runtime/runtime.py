@@ -33,7 +33,8 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
-from engine.cache.block_pool import PoolExhausted
+from engine.cache.block_pool import SENTINEL_BLOCK, PoolExhausted
+from engine.cache.forms import PagedKVForm
 from engine.cache.prefix_cache import Admitted
 from engine.cache.sequence import PagedSequence
 from engine.events import Form
@@ -78,6 +79,10 @@ class RuntimeRequest:
     admitted: Admitted | None = None
     recovering: bool = False
     t_admit: float = 0.0
+    first_admitted: Admitted | None = None
+    """The first admission: what the cache gave the user's prompt (a re-admission after a
+    preemption resumes on pages the request published itself, which are not cache hits)."""
+    t_first_admit: float = 0.0
     report: CacheReport | None = None
     epochs: dict[Form, int] | None = None
     ttft_seconds: float | None = None
@@ -233,6 +238,8 @@ class Runtime:
             if nxt is None:
                 break
             assert isinstance(nxt, RuntimeRequest)
+            if self.running and not self._fits(nxt):
+                break  # wait for memory rather than admit and preempt (vLLM's can_allocate)
             self.waiting.remove(nxt)
             self._start(nxt)
             end = nxt.next_chunk_end(budget)
@@ -329,9 +336,35 @@ class Runtime:
         remaining = r.params.max_tokens - len(r.output_token_ids)
         r.admitted, r.seq = llm._start_request(r.prompt_token_ids + r.output_token_ids, remaining, costs)
         r.recovering = True
+        if r.first_admitted is None:
+            r.first_admitted, r.t_first_admit = r.admitted, r.t_admit
         if r.epochs is None:
             r.epochs = llm._epochs(r.seq, r.admitted.plan.resume_tokens)
         self.running.append(r)
+
+    def _pages_needed(self, r: RuntimeRequest, form: PagedKVForm) -> int:
+        """Pages of ``form`` that ``r`` will hold through its prompt and next token — and, once it
+        has been preempted, through all of its output, so it is not preempted again and again —
+        all of them for a full-KV form, the most one request holds for a window form."""
+        cache = self.llm.cache
+        if form.window is None:
+            tokens = r.num_tokens + (r.params.max_tokens - len(r.output_token_ids) if r.num_preemptions else 0)
+            return -(-tokens // cache.unit_tokens) + 1
+        return cache.window_pages_needed(form.window, r.params.max_tokens - len(r.output_token_ids))
+
+    def _fits(self, r: RuntimeRequest) -> bool:
+        """Whether every KV pool can hold ``r``'s pages (:meth:`_pages_needed`) besides what the
+        running requests will still allocate, counting cached pages as evictable (vLLM's
+        ``can_allocate``). Conservative: pages ``r`` would reuse from the cache count too."""
+        for form in self.llm.cache.kv_forms:
+            outstanding = 0
+            for running in self.running:
+                held = sum(1 for b in running.seq.tables[form] if b != SENTINEL_BLOCK) if running.seq is not None else 0
+                outstanding += max(1, self._pages_needed(running, form) - held)
+            available = form.pool.num_blocks - 1 - form.pool.num_leased - outstanding
+            if self._pages_needed(r, form) > available:
+                return False
+        return True
 
     def _allocate(self, work: list[tuple[RuntimeRequest, int]]) -> list[tuple[RuntimeRequest, int, int, Tensor]]:
         """``begin_chunk`` for every piece of work, preempting the newest running request when a
@@ -379,7 +412,8 @@ class Runtime:
         self.llm.cache.finish_recovery(r.admitted)
         r.recovering = False
         if r.report is None:  # the first admission is the one the user's prompt got
-            r.report = self.llm._report(r.admitted, time.perf_counter() - r.t_admit)
+            assert r.first_admitted is not None
+            r.report = self.llm._report(r.first_admitted, time.perf_counter() - r.t_first_admit)
 
     def _sample(self, r: RuntimeRequest, row: Tensor) -> None:
         params = r.params
@@ -408,6 +442,8 @@ class Runtime:
         r.e2e_seconds = time.perf_counter() - r.t0
         if r.ttft_seconds is None:
             r.ttft_seconds = r.e2e_seconds
+        if r.report is None and r.first_admitted is not None:  # ended before its prefill did
+            r.report = self.llm._report(r.first_admitted, time.perf_counter() - r.t_first_admit)
         if r.report is not None and r.epochs is not None:
             self.llm._emit_request(r.request_id, r.arrival_wall, r.report, len(r.output_token_ids), r.ttft_seconds, r.e2e_seconds, r.epochs)
         if self.llm.check_invariants:

@@ -21,12 +21,13 @@ that disconnects mid-stream has its request aborted and its blocks freed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, Literal
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +41,7 @@ from prometheus_client import (
     generate_latest,
 )
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.runtime.engine_loop import EngineLoop, Failed, Finished, Token
 from engine.runtime.runtime import RuntimeRequest
@@ -48,6 +50,11 @@ from engine.tokenizer import StreamDecoder
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 """Tokens a chat completion may generate when the request does not say."""
+CHAT_END = "<|im_end|>"
+"""ChatML's end of a turn: a chat answer stops there."""
+DISCONNECT_POLL_SECONDS = 0.25
+"""How often a request without a stream checks that its client is still connected."""
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -195,10 +202,15 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        param = ".".join(str(p) for p in first.get("loc", ())[1:] if isinstance(p, str)) or None
         return APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param).response()
 
     @app.get("/health")
@@ -227,6 +239,20 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
         only = prompt[0]
         return llm.tokenizer.encode(only) if isinstance(only, str) else [int(t) for t in only]  # type: ignore[union-attr]
 
+    async def unless_gone(request: Request, work: Awaitable[T]) -> T | Response:
+        """Await ``work`` while watching the connection: a client that goes away cancels it
+        (which aborts its request in the engine) and gets 499, as nginx logs it."""
+        task = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, APIError):
+                    await task
+                return Response(status_code=499)
+
     def check(body: _Sampling) -> None:
         if body.model != model_name:
             raise APIError(404, f"The model `{body.model}` does not exist (this server serves `{model_name}`).", param="model", code="model_not_found")
@@ -243,7 +269,7 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
         return params
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(request: Request, body: CompletionRequest) -> Response:
         check(body)
         ids = prompt_ids(body.prompt)
         params = sampling(body, 16 if body.max_tokens is None else body.max_tokens, ids)
@@ -253,10 +279,10 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
 
-        return await respond(body, rid, ids, params, chunk, lambda text, finish: chunk(text, finish))
+        return await respond(request, body, rid, ids, params, chunk, lambda text, finish: chunk(text, finish))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> Response:
+    async def chat(request: Request, body: ChatRequest) -> Response:
         check(body)
         ids = llm.tokenizer.encode(render_chat(body.messages))
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -276,13 +302,14 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
             return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
 
-        return await respond(body, rid, ids, params, delta, whole)
+        return await respond(request, body, rid, ids, params, delta, whole, extra_stops=(CHAT_END,))
 
     async def respond(
-        body: _Sampling, rid: str, ids: list[int], params: SamplingParams,
+        request: Request, body: _Sampling, rid: str, ids: list[int], params: SamplingParams,
         piece: Callable[[str, str | None], dict[str, Any]], whole: Callable[[str, str | None], dict[str, Any]],
+        extra_stops: tuple[str, ...] = (),
     ) -> Response:  # fmt: skip
-        stops = body.stops()
+        stops = [*body.stops(), *extra_stops]
         session = body.user or rid
 
         async def events() -> AsyncGenerator[tuple[str, str | None, dict[str, Any] | None]]:
@@ -290,26 +317,34 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
             decoder = StreamDecoder(llm.tokenizer)
             cutter = StopStrings(stops)
             seen = 0
-            async with contextlib.aclosing(loop.generate(ids, params, request_id=rid, session=session)) as updates:
-                async for update in updates:
-                    if isinstance(update, Token):
-                        seen += 1
-                        text, stopped = cutter.push(decoder.push(update.token_id))
-                        if stopped:  # leaving the stream aborts the request: its blocks are freed now
-                            metrics.observe(update.request, "stop", seen)
-                            yield text, "stop", usage(update.request, seen)
-                            return
-                        if text:
-                            yield text, None, None
-                    elif isinstance(update, Finished):
-                        r = update.request
-                        reason = "stop" if r.finish_reason == "stop" else "length"
-                        metrics.observe(r, reason, seen)
-                        yield cutter.push(decoder.finish())[0] + cutter.flush(), reason, usage(r, seen)
-                    elif isinstance(update, Failed):
-                        if isinstance(update.error, ValueError):
-                            raise APIError(400, str(update.error))
-                        raise APIError(500, f"the engine failed: {update.error!r}", type="internal_error")
+            counted = False
+            try:
+                async with contextlib.aclosing(loop.generate(ids, params, request_id=rid, session=session)) as updates:
+                    async for update in updates:
+                        if isinstance(update, Token):
+                            seen += 1
+                            text, stopped = cutter.push(decoder.push(update.token_id))
+                            if stopped:  # leaving the stream aborts the request: its blocks are freed now
+                                metrics.observe(update.request, "stop", seen)
+                                counted = True
+                                yield text, "stop", usage(update.request, seen)
+                                return
+                            if text:
+                                yield text, None, None
+                        elif isinstance(update, Finished):
+                            r = update.request
+                            reason = str(r.finish_reason)  # stop, length, or abort (the server shutting down)
+                            metrics.observe(r, reason, seen)
+                            counted = True
+                            yield cutter.push(decoder.finish())[0] + cutter.flush(), reason, usage(r, seen)
+                        elif isinstance(update, Failed):
+                            if isinstance(update.error, ValueError):
+                                counted = True  # refused, never ran
+                                raise APIError(400, str(update.error))
+                            raise APIError(500, f"the engine failed: {update.error!r}", type="internal_error")
+            finally:
+                if not counted:  # a client gone (or an engine failure) before the end
+                    metrics.requests.labels(finish_reason="abort").inc()
 
         def usage(r: RuntimeRequest, generated: int) -> dict[str, Any]:
             cached = r.report.recoverable_tokens if r.report is not None else 0
@@ -317,22 +352,35 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
                     "total_tokens": len(ids) + generated, "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
         if not body.stream:
-            texts: list[str] = []
-            finish: str | None = None
-            final_usage: dict[str, Any] | None = None
-            async for text, reason, use in events():
-                texts.append(text)
-                finish, final_usage = reason or finish, use or final_usage
-            out = whole("".join(texts), finish)
-            out["usage"] = final_usage or {"prompt_tokens": len(ids), "completion_tokens": None, "total_tokens": None}
-            return JSONResponse(out)
+
+            async def collect() -> JSONResponse:
+                texts: list[str] = []
+                finish: str | None = None
+                final_usage: dict[str, Any] | None = None
+                async with contextlib.aclosing(events()) as stream:
+                    async for text, reason, use in stream:
+                        texts.append(text)
+                        finish, final_usage = reason or finish, use or final_usage
+                out = whole("".join(texts), finish)
+                out["usage"] = final_usage or {"prompt_tokens": len(ids), "completion_tokens": None, "total_tokens": None}
+                return JSONResponse(out)
+
+            return await unless_gone(request, collect())
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = events()
+
+        async def first() -> tuple[str, str | None, dict[str, Any] | None] | None:
+            return await anext(stream, None)
+
         try:  # the first event before the 200: a refusal is still an error status
-            head = await anext(stream)
-        except StopAsyncIteration:
-            head = None
+            head = await unless_gone(request, first())
+        except BaseException:
+            await stream.aclose()
+            raise
+        if isinstance(head, Response):  # the client left before the first token
+            await stream.aclose()
+            return head
 
         async def sse() -> AsyncIterator[str]:
             try:

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from engine.cache import CacheConfig
-from engine.events import RequestEvent
+from engine.cache.admission import CostModel
+from engine.events import Admission, RequestEvent, Tier
 from engine.llm import LLM
-from engine.runtime import FinishReason, Runtime, Scheduler, SchedulerConfig
+from engine.runtime import FinishReason, Runtime, RuntimeRequest, Scheduler, SchedulerConfig
 from engine.sampling import SamplingParams
 from engine.telemetry import ListSink
 from tests.helpers import TOLERANCE, assert_no_leases, tokens
@@ -64,7 +65,7 @@ def test_a_later_request_reuses_what_an_earlier_one_published() -> None:
 
 def test_pools_running_out_preempt_by_recompute_and_outputs_stay_right() -> None:
     prompts = [tokens(120, 10 + i) for i in range(6)]
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+    params = SamplingParams(max_tokens=64, temperature=0.0)  # admitted on their prompts, they outgrow the pool decoding
     small = CacheConfig(full_kv_blocks=24, swa_blocks=64)
     want = [o.output_token_ids for o in LLM("qwen3_next-tiny", device="cpu", cache=small).generate(prompts, params)]
     llm = LLM("qwen3_next-tiny", device="cpu", cache=small, check_invariants=True)
@@ -182,4 +183,52 @@ def test_a_runtime_over_the_whole_trace_of_sessions_keeps_its_budget() -> None:
         assert 0 < runtime.last_step_tokens <= 40
     want = LLM("qwen3_next-tiny", device="cpu", cache=dataclasses.replace(CacheConfig(), checkpoint_interval_tokens=32)).generate(prompts, GREEDY)
     assert [r.output_token_ids for r in added] == [o.output_token_ids for o in want]
+    assert_no_leases(llm)
+
+
+@pytest.mark.parametrize(("tier_bandwidth", "expected"), [(1e12, Admission.SWAP_IN), (1.0, None)])
+def test_a_preempted_request_comes_back_by_the_admission_s_cheaper_recovery(tier_bandwidth: float, expected: Admission | None) -> None:
+    """With a host tier, the pages a preempted request published are copied down as they are
+    evicted; when it is admitted again, the admission prices swapping them in against
+    recomputing: with a fast tier it swaps in, with a 1 B/s one it never does. Its tokens are
+    the same either way."""
+    prompts = [tokens(100, 10 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=80, temperature=0.0)  # admitted on their prompts, they outgrow the pool decoding
+    pools = CacheConfig(full_kv_blocks=30, swa_blocks=96)
+    want = [o.output_token_ids for o in LLM("qwen3_next-tiny", device="cpu", cache=pools).generate(prompts, params)]
+    costs = CostModel(seconds_per_token=1e-3, tier_bytes_per_second={Tier.HOST: tier_bandwidth})
+    llm = LLM("qwen3_next-tiny", device="cpu", cache=dataclasses.replace(pools, host_tier_bytes=64 << 20), cost_model=costs, check_invariants=True)
+    runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=6))
+    readmitted: list[Admission] = []
+    start = runtime._start
+
+    def recording(r: RuntimeRequest) -> None:
+        start(r)
+        if r.num_preemptions:
+            assert r.admitted is not None
+            readmitted.append(r.admitted.admission)
+
+    runtime._start = recording  # type: ignore[method-assign]
+    added = [runtime.add_request(p, params) for p in prompts]
+    runtime.run()
+    assert runtime.num_preemptions > 0 and readmitted
+    assert (expected in readmitted) if expected is not None else Admission.SWAP_IN not in readmitted
+    assert [r.output_token_ids for r in added] == want
+    assert_no_leases(llm)
+
+
+def test_admission_waits_for_memory_instead_of_thrashing() -> None:
+    """Six 200-token requests into a pool that holds about three: the runtime admits what fits
+    and lets the rest wait, instead of admitting all and preempting over and over."""
+    prompts = [tokens(200, 30 + i) for i in range(6)]
+    llm = LLM("qwen3_next-tiny", device="cpu", cache=CacheConfig(full_kv_blocks=40, swa_blocks=96), check_invariants=True)
+    runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=6))
+    most = 0
+    for p in prompts:
+        runtime.add_request(p, SamplingParams(max_tokens=12, temperature=0.0))
+    while runtime.has_unfinished():
+        runtime.step()
+        most = max(most, len(runtime.running))
+    assert 1 < most < 6
+    assert runtime.num_preemptions <= 2
     assert_no_leases(llm)

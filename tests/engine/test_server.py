@@ -141,7 +141,9 @@ def test_stop_strings_end_the_text_before_them(served: Served) -> None:
     assert "".join(c.choices[0].text for c in streamed) == cut
     assert streamed[-1].choices[0].finish_reason == "stop"
     served.wait_idle()
-    assert_no_leases(served.llm)  # the stopped request was aborted in the engine
+    assert_no_leases(served.llm)
+    ended = [e.output_tokens for e in served.sink.events if isinstance(e, RequestEvent)][-2:]
+    assert all(n < 16 for n in ended), ended  # both stopped requests were aborted in the engine, not run to max_tokens
 
 
 def test_stop_strings_hold_back_a_possible_start() -> None:
@@ -168,6 +170,8 @@ def test_bad_requests_get_openai_errors(served: Served) -> None:
         client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=4)
     raw = httpx.post(f"{served.url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=10)
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    missing = httpx.get(f"{served.url}/v1/embeddings", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert httpx.get(f"{served.url}/health", timeout=10).json() == {"status": "ok"}
 
 
@@ -215,7 +219,9 @@ def test_thirty_two_weka_sessions_replayed_through_the_server(tmp_path: Path) ->
     chosen = [r for rs in firsts.values() for r in rs]
     assert len(firsts) == 32 and len(chosen) == 64
     sink = ListSink()
-    llm = LLM(MODEL, device="cpu", telemetry=sink, check_invariants=True)
+    # room for 32 sessions' windows at once (the runtime admits only what its pools can hold)
+    cache = CacheConfig(swa_blocks=2048, linear_checkpoints=512, tail_slots=512)
+    llm = LLM(MODEL, device="cpu", telemetry=sink, check_invariants=True, cache=cache)
     runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32))
     sampled: list[RuntimeRequest] = []
     add = runtime.add_request
@@ -305,3 +311,38 @@ def test_trajectory_files_are_checked(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(TraceError, match="no SWE-agent trajectories"):
         read_swe_agent(tmp_path / "empty")
+
+
+def test_a_client_gone_before_the_answer_frees_its_request(served: Served) -> None:
+    """Without a stream (or before the first streamed token) a client that gives up is noticed
+    too: its request is aborted, not run to max_tokens."""
+    body = {"model": MODEL, "prompt": PROMPT * 3, "max_tokens": 300, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=1.0)
+    served.wait_idle()
+    assert_no_leases(served.llm)
+    ended = [e for e in served.sink.events if isinstance(e, RequestEvent)]
+    assert ended[-1].output_tokens < 300
+
+
+def test_a_dead_engine_answers_500_and_503_instead_of_hanging() -> None:
+    sink = ListSink()
+    llm = LLM(MODEL, device="cpu", telemetry=sink)
+    runtime = Runtime(llm)
+    calls = 0
+
+    def failing_step() -> list[RuntimeRequest]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("boom")
+        return Runtime.step(runtime)
+
+    runtime.step = failing_step  # type: ignore[method-assign]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    with serve(llm, runtime, sink) as s:
+        first = httpx.post(f"{s.url}/v1/completions", json=body, timeout=30)
+        assert first.status_code == 500 and "boom" in first.json()["error"]["message"]
+        after = httpx.post(f"{s.url}/v1/completions", json=body, timeout=10)
+        assert after.status_code == 500 and "not running" in after.json()["error"]["message"]
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
