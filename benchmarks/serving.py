@@ -23,20 +23,15 @@ import argparse
 import asyncio
 import json
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
-
-import httpx
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.llm import LLM
 from engine.runtime import Runtime, SchedulerConfig
 from engine.runtime.engine_loop import EngineLoop
-from engine.runtime.server import create_app
+from engine.runtime.server import create_app, serve_in_thread
 from engine.trace.formats import TraceRequest, load_trace
 from engine.trace.http_replay import replay_over_http
 from engine.trace.replay import ReplayConfig
@@ -59,22 +54,11 @@ def sessions_of(requests: list[TraceRequest], n: int, turns: int) -> list[TraceR
 def measure(model: str, max_num_seqs: int, budget: int, requests: list[TraceRequest], config: ReplayConfig) -> dict[str, Any]:
     llm = LLM(model)
     runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(EngineLoop(runtime), model), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
     try:
-        return asyncio.run(replay_over_http(url, requests, config)).to_json() | {"engine_steps": runtime.num_steps, "preemptions": runtime.num_preemptions}
+        with serve_in_thread(create_app(EngineLoop(runtime), model), free_port()) as url:
+            run = asyncio.run(replay_over_http(url, requests, config))
+        return run.to_json() | {"engine_steps": runtime.num_steps, "preemptions": runtime.num_preemptions}
     finally:
-        server.should_exit = True
-        thread.join(60)
         llm.close()
 
 

@@ -20,6 +20,9 @@
 * :mod:`kernels.gated_delta_rule` — Gated DeltaNet's chunked prefill and fused recurrent forms
   on a varlen batch (state in and out, in place optionally) and the causal conv's decode step.
 
+:mod:`kernels.launch` says when the launchers skip their host reads of device values (while a
+CUDA graph is captured, and in the serving runtime's static decode step).
+
 The engine calls them through :mod:`engine.model.kernel_backend` (``LLM(kernel_backend=...)``;
 the default picks them on CUDA).
 """

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import graph_safe
+
 BLOCK_V = 32
 """Value channels one program carries."""
 CHUNK = 32
@@ -143,7 +145,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
             raise ValueError(f"{name} must be a float tensor contiguous in its last dim; got {x.dtype}, strides {x.stride()}")
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2 or not cu_seqlens.is_contiguous():
         raise ValueError(f"cu_seqlens must be a contiguous int32 [N+1] with N >= 1; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != t or bool((cu_seqlens.diff() < 0).any()):
+    if not graph_safe(cu_seqlens) and (int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != t or bool((cu_seqlens.diff() < 0).any())):
         raise ValueError(f"cu_seqlens must rise from 0 to T={t}")
     n = cu_seqlens.numel() - 1
     if initial_state.shape != (n, h, dk, dv) or initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
@@ -183,7 +185,8 @@ def fused_recurrent_gated_delta_rule(
 
     Raises:
         ValueError: shapes, dtypes, strides or devices that do not match the layouts;
-            ``cu_seqlens`` not rising from 0 to T.
+            ``cu_seqlens`` not rising from 0 to T (not checked while
+            :func:`kernels.launch.graph_safe`: no host reads).
     """
     return _run(_recurrent_kernel, q, k, v, g, beta, initial_state, cu_seqlens, inplace, out)
 

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import graph_safe
+
 
 @triton.jit
 def _paged_decode_kernel(
@@ -107,9 +109,9 @@ def _check(
         raise ValueError(f"block_tables must be a row-contiguous int32 [B={b}, max_blocks] tensor; got {block_tables.dtype} {tuple(block_tables.shape)}")
     if seq_lens.shape != (b,) or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
         raise ValueError(f"seq_lens must be a contiguous int32 [B={b}] tensor; got {seq_lens.dtype} {tuple(seq_lens.shape)} strides {seq_lens.stride()}")
-    if b and int(seq_lens.max()) > block_tables.shape[1] * page:
+    if b and not graph_safe(seq_lens) and int(seq_lens.max()) > block_tables.shape[1] * page:  # host reads: kernels.launch
         raise ValueError(f"a sequence of {int(seq_lens.max())} tokens does not fit {block_tables.shape[1]} pages of {page}")
-    if b and (int(seq_lens.min()) < 0 or (block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks)):
+    if b and not graph_safe(seq_lens) and (int(seq_lens.min()) < 0 or (block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks)):
         raise ValueError(f"seq_lens must be >= 0 and block ids in 0..{num_blocks - 1}")
     if sinks is not None and (sinks.shape != (h_q,) or sinks.dtype != torch.float32):
         raise ValueError(f"sinks must be a float32 [H_q={h_q}] tensor; got {sinks.dtype} {tuple(sinks.shape)}")
@@ -138,7 +140,8 @@ def paged_decode_attention(
 
     Raises:
         ValueError: a shape, dtype, stride or device that does not match the layouts; a window
-            below 1; a sequence longer than its block table; a block id out of range.
+            below 1; a sequence longer than its block table; a block id out of range (the
+            last two are not checked while :func:`kernels.launch.graph_safe`: no host reads).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, sinks)
     if window is not None and window < 1:

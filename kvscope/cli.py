@@ -160,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (default: %(default)s)")
     srv.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens computed per engine step (default: %(default)s)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    srv.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs (default: captured on CUDA when the model allows)")
 
     bench = sub.add_parser("bench", parents=[verbose], help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -491,7 +492,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm = LLM(args.model, device=args.device, telemetry=args.agent)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    app = create_app(EngineLoop(Runtime(llm, config)), args.served_model_name or str(args.model))
+    try:
+        runtime = Runtime(llm, config, cuda_graphs=False if args.enforce_eager else None)
+    except ValueError as exc:
+        llm.close()
+        raise UserError(str(exc)) from None
+    app = create_app(EngineLoop(runtime), args.served_model_name or str(args.model))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info" if getattr(args, "verbose", False) else "warning")
     finally:

@@ -46,3 +46,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def qwen3_next_dense() -> object:
+    """``qwen3_next-tiny`` with a dense MLP in every layer (``num_experts = 0``): Qwen3-Next's
+    attention and Gated DeltaNet layers without the sparse MoE, whose dispatch a CUDA graph
+    cannot capture."""
+    from engine.model.qwen3_next_config import config_from_dict
+    from engine.presets import PRESETS
+
+    return config_from_dict({"model_type": "qwen3_next", **PRESETS["qwen3_next-tiny"].fields, "num_experts": 0})

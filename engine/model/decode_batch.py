@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from kernels.launch import graph_safe
+
 
 @dataclass(frozen=True, slots=True)
 class LayerPages:
@@ -84,7 +86,8 @@ class DecodeBatch:
 def paged_decode(q: Tensor, pages: LayerPages, *, scale: float, window: int | None, backend: str, sinks: Tensor | None = None) -> Tensor:
     """Attention of each row's query ``q [B_pad, H_q, D]`` over its pages: the
     ``paged_decode_attention`` kernel, or the same in torch (gather the table's pages, mask
-    positions ``≥ seq_len`` and outside the window). Padding rows give zeros."""
+    positions ``≥ seq_len`` and outside the window; inside :func:`kernels.launch.graph_safe`, over
+    the table's whole width rather than the pages the longest row uses). Padding rows give zeros."""
     dtype = pages.k_cache.dtype
     if backend == "triton":
         from kernels.paged_decode_attention import paged_decode_attention
@@ -93,7 +96,10 @@ def paged_decode(q: Tensor, pages: LayerPages, *, scale: float, window: int | No
         return out.to(q.dtype)
     b, h_q, d = q.shape
     page, h_kv = pages.k_cache.shape[1], pages.k_cache.shape[2]
-    used = max(1, math.ceil(int(pages.seq_lens.max()) / page)) if b else 1
+    if graph_safe(pages.seq_lens):  # no host read of the lengths: every page of the table
+        used = pages.block_tables.shape[1]
+    else:
+        used = max(1, math.ceil(int(pages.seq_lens.max()) / page)) if b else 1
     tables = pages.block_tables[:, :used].long()
     keys = pages.k_cache[tables].reshape(b, used * page, h_kv, d).float()
     values = pages.v_cache[tables].reshape(b, used * page, h_kv, d).float()

@@ -1,16 +1,22 @@
-"""The decode model runner: persistent input buffers, block tables and decode slots, and decode
-batches padded to fixed sizes (vLLM's ``GPUModelRunner`` persistent batch, the shape CUDA graphs
-are captured at).
+"""The decode model runner: persistent input buffers, block tables and decode slots, decode
+batches padded to fixed sizes, and one CUDA graph per padded size (vLLM's ``GPUModelRunner``
+persistent batch and ``CUDAGraphRunner``, SGLang's ``CudaGraphRunner``).
 
 Buffers are allocated once, for the largest batch size, and never reallocated: each step fills a
 prefix ``[:B_pad]`` of them in place (``copy_``), so every tensor the forward reads keeps its
-address from step to step — what a captured CUDA graph needs. On CPU the same path runs eagerly.
-Graph capture itself is not done yet: the kernels' launchers validate their arguments on the host
-(``int(...)`` on device tensors), which a capture cannot contain.
+address from step to step. On CUDA (unless ``cuda_graphs=False``) the runner captures the
+forward once per padded size at start, on buffers filled with padding, and each step only fills
+the buffers and replays the graph of its size. On CPU the same static-buffer path runs eagerly;
+with ``check_graph_safe`` it runs exactly what a capture would record (the kernels' launchers
+without host reads, :mod:`kernels.launch`) under :class:`~engine.runtime.cuda_graphs.forbid_host_sync`,
+so a CPU test proves the forward is capturable. Because a replay never runs the launchers'
+value checks, :meth:`DecodeRunner.run` checks the same values (sequence lengths against the block
+tables' width, block ids against the pools) on the host before every step.
 
 Padding (case C10): rows ``[B, B_pad)`` get token 0 at position 0, ``seq_lens`` 0, every KV
 form's sentinel page (block 0) as their block table and write page, and decode slot 0, the
-sentinel slot no request can own. Whatever they compute and write lands there.
+sentinel slot no request can own. Whatever they compute and write lands there; a capture runs on
+an all-padding batch, so it writes only there too.
 
 Decode slots: a request's working recurrent state (conv and delta-rule state of every linear
 layer) moves into a static slot ``[S, ...]`` when it starts decoding; the batched step updates the
@@ -20,7 +26,9 @@ views of its slot, so its state stays readable where the cache looks for it.
 
 from __future__ import annotations
 
+import logging
 import math
+from contextlib import ExitStack
 
 import torch
 from torch import Tensor, nn
@@ -30,9 +38,13 @@ from engine.llm import LLM
 from engine.model.decode_batch import DecodeBatch
 from engine.model.deepseek_v4_attention import DeepseekV4Attention
 from engine.model.state import LinearLayerState
+from engine.runtime.cuda_graphs import forbid_host_sync, graph_unsafe_reason
+from kernels.launch import static_launches
+
+log = logging.getLogger(__name__)
 
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-"""Padded decode batch sizes (the sizes graphs would be captured at), up to ``max_num_seqs``."""
+"""Padded decode batch sizes (the sizes graphs are captured at), up to ``max_num_seqs``."""
 
 
 def supports_static_decode(model: nn.Module) -> bool:
@@ -51,12 +63,22 @@ class DecodeRunner:
         max_model_len: the longest sequence, tokens; sets the block tables' width.
         batch_sizes: the padded sizes to use (default: :data:`DECODE_BATCH_SIZES` up to
             ``max_num_seqs``, which is always one of them).
+        cuda_graphs: capture one graph per padded size and replay it (vLLM's ``enforce_eager``
+            is ``cuda_graphs=False``). None: on CUDA when the model's decode forward is
+            capturable (:func:`~engine.runtime.cuda_graphs.graph_unsafe_reason`; otherwise it
+            runs eagerly, logged once). True off CUDA or on an uncapturable model raises.
+        check_graph_safe: run every eager step as a capture would, under
+            :class:`~engine.runtime.cuda_graphs.forbid_host_sync` (tests; slow).
 
     Raises:
-        ValueError: a model without the batched decode path, or non-positive limits.
+        ValueError: a model without the batched decode path, non-positive limits, or
+            ``cuda_graphs=True`` where graphs cannot be captured.
     """
 
-    def __init__(self, llm: LLM, max_num_seqs: int, max_model_len: int, batch_sizes: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self, llm: LLM, max_num_seqs: int, max_model_len: int, batch_sizes: tuple[int, ...] | None = None,
+        *, cuda_graphs: bool | None = None, check_graph_safe: bool = False,
+    ) -> None:  # fmt: skip
         if not supports_static_decode(llm.model):
             raise ValueError(f"{llm.model_name}: DeepSeek-V4 attention layers have no batched decode path yet")
         if max_num_seqs < 1 or max_model_len < 1:
@@ -73,6 +95,7 @@ class DecodeRunner:
         self.max_pages = math.ceil(max_model_len / self.unit)
         self.forms = list(cache.kv_forms)
         self.kv_of_layer = {layer: (kv, slot, i) for i, form in enumerate(self.forms) for layer, (kv, slot) in form.layer_slot.items()}
+        self.num_blocks = [min((kv.shape[0] for kv, _ in form.layer_slot.values()), default=0) for form in self.forms]
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.slot_ids = torch.zeros(rows, dtype=torch.long, device=device)
@@ -85,6 +108,20 @@ class DecodeRunner:
         self.conv = {layer: torch.zeros((num_slots, *conv), dtype=torch.float32, device=device) for layer, (conv, _) in shapes.items()}
         self.recurrent = {layer: torch.zeros((num_slots, *rec), dtype=torch.float32, device=device) for layer, (_, rec) in shapes.items()}
         self._free = list(range(num_slots - 1, 0, -1))
+        self._batches = {size: self._batch(size) for size in self.sizes}
+        self.check_graph_safe = check_graph_safe
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        """The captured graph of each padded size (empty when running eagerly)."""
+        self._graph_logits: dict[int, Tensor] = {}
+        unsafe = graph_unsafe_reason(llm.model)
+        if cuda_graphs and (device.type != "cuda" or unsafe):
+            raise ValueError(f"cuda_graphs=True needs a CUDA device and a capturable model; {llm.model_name} on {device.type}" + (f": {unsafe}" if unsafe else ""))
+        if cuda_graphs is None and device.type == "cuda":
+            cuda_graphs = unsafe is None
+            if unsafe:
+                log.warning("%s: decode runs without CUDA graphs: %s", llm.model_name, unsafe)
+        if cuda_graphs:
+            self.capture()
 
     def buffers(self) -> list[Tensor]:
         """Every persistent tensor the decode forward reads or writes (besides the pools)."""
@@ -152,6 +189,7 @@ class DecodeRunner:
             slots.append(slot)
             for i, form in enumerate(self.forms):
                 tables[i].append(seq.tables[form])
+        self._check_pages(tables, positions)
         pad = b_pad - b
         self.input_ids[:b_pad].copy_(torch.tensor(ids + [0] * pad))
         self.positions[:b_pad].copy_(torch.tensor(positions + [0] * pad))
@@ -164,16 +202,80 @@ class DecodeRunner:
             self.seq_lens[i][:b_pad].copy_(torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32))
             self.write_pages[i][:b_pad].copy_(torch.tensor([tables[i][r][p // self.unit] for r, p in enumerate(positions)] + [0] * pad))
             self.write_offsets[i][:b_pad].copy_(torch.tensor([p % self.unit for p in positions] + [0] * pad))
-        batch = DecodeBatch(
-            size=b_pad,
+        graph = self.graphs.get(b_pad)
+        if graph is not None:
+            graph.replay()
+            return self._graph_logits[b_pad][:b].clone()  # the next replay overwrites the output
+        return self._forward(b_pad, static=self.check_graph_safe)[:b]
+
+    def _check_pages(self, tables: list[list[list[int]]], positions: list[int]) -> None:
+        """What the kernels' launchers check on device values, checked on the host (a replay runs
+        no launcher): each row's pages cover its position and fit the block table, and every
+        block id is a page of its pool.
+
+        Raises:
+            RuntimeError: a table that breaks either (the cache handed out a bad block table).
+        """
+        for i, form_tables in enumerate(tables):
+            for row, pos in zip(form_tables, positions, strict=True):
+                if not pos // self.unit < len(row) <= self.max_pages:
+                    raise RuntimeError(f"a block table of {len(row)} pages for position {pos} (pages of {self.unit}, at most {self.max_pages})")
+                if row and not 0 <= min(row) <= max(row) < self.num_blocks[i]:
+                    raise RuntimeError(f"block ids {min(row)}..{max(row)} outside the pool's 0..{self.num_blocks[i] - 1}")
+
+    def _batch(self, size: int) -> DecodeBatch:
+        """The batch of ``size`` rows over the buffers' prefixes (built once per size)."""
+        return DecodeBatch(
+            size=size,
             kv_of_layer=self.kv_of_layer,
-            block_tables=[t[:b_pad] for t in self.block_tables],
-            seq_lens=[t[:b_pad] for t in self.seq_lens],
-            write_pages=[t[:b_pad] for t in self.write_pages],
-            write_offsets=[t[:b_pad] for t in self.write_offsets],
-            slot_ids=self.slot_ids[:b_pad],
+            block_tables=[t[:size] for t in self.block_tables],
+            seq_lens=[t[:size] for t in self.seq_lens],
+            write_pages=[t[:size] for t in self.write_pages],
+            write_offsets=[t[:size] for t in self.write_offsets],
+            slot_ids=self.slot_ids[:size],
             conv=self.conv,
             recurrent=self.recurrent,
         )
-        logits = self.llm.model(self.input_ids[:b_pad], self.positions[:b_pad], batch)
-        return logits[:b]
+
+    def _forward(self, size: int, *, static: bool) -> Tensor:
+        """The model on the first ``size`` rows of the buffers → logits ``[size, vocab]``; with
+        ``static``, exactly as a capture records it (no host reads, checked)."""
+        with ExitStack() as stack:
+            if static:
+                stack.enter_context(static_launches())
+                stack.enter_context(forbid_host_sync())
+            return self.llm.model(self.input_ids[:size], self.positions[:size], self._batches[size])
+
+    def _fill_padding(self, size: int) -> None:
+        """Every one of the first ``size`` rows a padding row (token 0, position 0, sentinel page
+        and slot, length 0)."""
+        for t in (self.input_ids, self.positions, self.slot_ids, *self.block_tables, *self.seq_lens, *self.write_pages, *self.write_offsets):
+            t[:size].zero_()
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture one CUDA graph per padded size, largest first, sharing one memory pool: each
+        on an all-padding batch after two warm-up runs on a side stream (Triton compiles and
+        cuBLAS initialises outside the capture), as ``torch.cuda.graphs`` recommends.
+
+        Raises:
+            RuntimeError: not on CUDA; :class:`~engine.runtime.cuda_graphs.HostSyncError` or a
+                CUDA capture error when the forward is not capturable.
+        """
+        if self.input_ids.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.sizes, reverse=True):
+            self._fill_padding(size)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(size, static=True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._graph_logits[size] = self._forward(size, static=True)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        log.info("captured CUDA graphs for decode batch sizes %s", ", ".join(map(str, self.sizes)))

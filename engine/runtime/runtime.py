@@ -132,18 +132,30 @@ class Runtime:
             (persistent buffers, padded batches, decode slots); None: whenever the model has the
             batched decode path (not yet for DeepSeek-V4 attention layers).
         decode_batch_sizes: the runner's padded sizes (default: its own list).
+        cuda_graphs: the runner's ``cuda_graphs`` (None: captured on CUDA when the model allows;
+            False: vLLM's ``enforce_eager``).
+        check_graph_safe: the runner's ``check_graph_safe`` (tests).
+
+    Raises:
+        ValueError: from the runner (``cuda_graphs=True`` where graphs cannot be captured).
     """
 
     def __init__(
-        self, llm: LLM, config: SchedulerConfig | None = None, *, static_decode: bool | None = None, decode_batch_sizes: tuple[int, ...] | None = None
-    ) -> None:
+        self, llm: LLM, config: SchedulerConfig | None = None, *, static_decode: bool | None = None,
+        decode_batch_sizes: tuple[int, ...] | None = None, cuda_graphs: bool | None = None, check_graph_safe: bool = False,
+    ) -> None:  # fmt: skip
         self.llm = llm
         self.config = config or SchedulerConfig()
         if static_decode is None:
             static_decode = supports_static_decode(llm.model)
         self.decode_runner = (
-            DecodeRunner(llm, self.config.max_num_seqs, self.config.max_model_len, decode_batch_sizes) if static_decode else None
-        )
+            DecodeRunner(
+                llm, self.config.max_num_seqs, self.config.max_model_len, decode_batch_sizes,
+                cuda_graphs=cuda_graphs, check_graph_safe=check_graph_safe,
+            )
+            if static_decode
+            else None
+        )  # fmt: skip
         self.scheduler = Scheduler(self.config)
         self.waiting: list[RuntimeRequest] = []
         self.running: list[RuntimeRequest] = []

@@ -24,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal, TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,6 +42,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -169,7 +173,7 @@ class ServerMetrics:
         runtime = loop.runtime
         Gauge("kvscope_server_requests_running", "Requests holding cache leases", registry=r).set_function(lambda: len(runtime.running))
         Gauge("kvscope_server_requests_waiting", "Requests queued", registry=r).set_function(lambda: len(runtime.waiting))
-        Gauge("kvscope_server_preemptions", "Requests preempted by recompute since start", registry=r).set_function(lambda: runtime.num_preemptions)
+        r.register(_PreemptionCollector(lambda: runtime.num_preemptions))
 
     def observe(self, r: RuntimeRequest, finish_reason: str, generated: int) -> None:
         self.requests.labels(finish_reason=finish_reason).inc()
@@ -179,6 +183,42 @@ class ServerMetrics:
             self.cached_tokens.inc(r.report.recoverable_tokens)
         if r.ttft_seconds is not None and generated:
             self.ttft.observe(r.ttft_seconds)
+
+
+class _PreemptionCollector(Collector):
+    """``kvscope_server_preemptions_total``: a counter read from the runtime's running total at
+    scrape time (prometheus_client's ``Counter`` cannot be backed by a function)."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("kvscope_server_preemptions", "Requests preempted by recompute since start", value=self._read())
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, port: int, *, host: str = "127.0.0.1", start_timeout: float = 60.0) -> Iterator[str]:
+    """Run ``app`` on uvicorn in a daemon thread until the block ends (tests, benchmarks); yields
+    its base URL once uvicorn has started listening.
+
+    Raises:
+        RuntimeError: uvicorn did not start within ``start_timeout`` seconds (a port in use, for
+            example; its own log says why).
+    """
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="kvscope-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the server on {host}:{port} did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(start_timeout)
 
 
 def create_app(loop: EngineLoop, model_name: str) -> FastAPI:

@@ -1,18 +1,22 @@
 """The decode model runner: decode batches padded to fixed sizes over buffers whose addresses
 never change, recurrent state in decode slots, padding rows on every form's sentinel (case C10),
-and the same tokens and logits as the per-sequence path."""
+the same tokens and logits as the per-sequence path, and a decode forward a CUDA graph can
+capture (checked on CPU by running it as a capture would)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import engine.model.decode_batch
 from engine.config import HybridConfig
 from engine.llm import LLM
 from engine.runtime import Runtime, SchedulerConfig
+from engine.runtime.cuda_graphs import HostSyncError, forbid_host_sync, graph_unsafe_reason
 from engine.runtime.model_runner import DecodeRunner, supports_static_decode
 from engine.sampling import SamplingParams
-from tests.helpers import TOLERANCE, assert_no_leases, tokens
+from kernels.launch import graph_safe, static_launches
+from tests.helpers import TOLERANCE, assert_no_leases, qwen3_next_dense, tokens
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
 NO_COMPRESSED = HybridConfig(layer_types=("linear_attention", "sliding_attention", "full_attention", "linear_attention"), sliding_window=24)
@@ -20,16 +24,20 @@ NO_COMPRESSED = HybridConfig(layer_types=("linear_attention", "sliding_attention
 
 
 def models() -> list[object]:
-    return ["qwen3_next-tiny", NO_COMPRESSED]
+    return ["qwen3_next-tiny", NO_COMPRESSED, qwen3_next_dense()]
 
 
-@pytest.mark.parametrize("model", models(), ids=["qwen3_next-tiny", "hybrid-linear-sliding-full"])
+@pytest.mark.parametrize("model", models(), ids=["qwen3_next-tiny", "hybrid-linear-sliding-full", "qwen3_next-dense"])
 def test_static_decode_matches_the_per_sequence_path(model: object) -> None:
+    """Besides MoE models, every step runs as a CUDA graph capture records it (no host reads,
+    no value-shaped ops, the launchers' value checks skipped): the decode forward is capturable."""
     prompts = [tokens(40 + 9 * i, 60 + i) for i in range(5)]
     want = [o.output_token_ids for o in LLM(model, device="cpu").generate(prompts, PARAMS)]
     llm = LLM(model, device="cpu", check_invariants=True)
-    runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
-    assert runtime.decode_runner is not None
+    capturable = graph_unsafe_reason(llm.model) is None
+    assert capturable == (model != "qwen3_next-tiny")
+    runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8), check_graph_safe=capturable)
+    assert runtime.decode_runner is not None and not runtime.decode_runner.graphs  # no capture off CUDA
     added = [runtime.add_request(p, PARAMS, keep_logits=True) for p in prompts]
     runner = runtime.decode_runner
     addresses = [t.data_ptr() for t in runner.buffers()]
@@ -101,3 +109,99 @@ def test_models_without_the_batched_path_fall_back() -> None:
             DecodeRunner(llm, 4, 256)
     with pytest.raises(ValueError, match="max_model_len"):
         Runtime(LLM("qwen3_next-tiny", device="cpu"), SchedulerConfig(max_model_len=64)).add_request(tokens(60, 1), SamplingParams(max_tokens=10))
+
+
+def test_the_capture_check_catches_what_a_graph_cannot_hold() -> None:
+    x = torch.arange(6.0)
+    ids = torch.tensor([0, 2, 4])
+    forbidden = {
+        "item": lambda: x[0].item(),
+        "__int__": lambda: int(x[1]),
+        "__bool__": lambda: bool((x > 2).any()),
+        "tolist": lambda: x.tolist(),
+        "nonzero": lambda: torch.nonzero(x),
+        "__getitem__": lambda: x[x > 2],
+        "unique": lambda: torch.unique(ids),
+        "tensor": lambda: torch.tensor([1.0, 2.0]),
+        "repeat_interleave": lambda: torch.repeat_interleave(x, torch.ones(6, dtype=torch.long)),
+    }
+    for name, op in forbidden.items():
+        with forbid_host_sync(), pytest.raises(HostSyncError, match=name):
+            op()
+    with forbid_host_sync():  # what a capture may hold: fixed shapes, indices on the device
+        y = x.clone()
+        y[ids] = x[ids] * 2
+        y.index_put_((ids,), torch.zeros(3))
+        torch.arange(4) + x[:4].repeat_interleave(1)
+    assert y.tolist() == [0.0, 1.0, 0.0, 3.0, 0.0, 5.0]
+
+
+def test_an_uncapturable_decode_step_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is not vacuous: the MoE model's dispatch, and the torch attention reading the
+    longest row's length on the host (what it does outside a capture), both fail it."""
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    runtime = Runtime(LLM("qwen3_next-tiny", device="cpu"), SchedulerConfig(max_num_seqs=2), check_graph_safe=True)
+    runtime.add_request(tokens(30, 1), params)
+    with pytest.raises(HostSyncError, match="unique"):
+        runtime.run()
+    monkeypatch.setattr(engine.model.decode_batch, "graph_safe", lambda *tensors: False)
+    runtime = Runtime(LLM(NO_COMPRESSED, device="cpu"), SchedulerConfig(max_num_seqs=2), check_graph_safe=True)
+    runtime.add_request(tokens(30, 1), params)
+    with pytest.raises(HostSyncError, match="__int__"):
+        runtime.run()
+
+
+def test_graph_options_are_checked_and_launches_are_static_only_when_asked() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        DecodeRunner(LLM(NO_COMPRESSED, device="cpu"), 4, 256, cuda_graphs=True)
+    with pytest.raises(ValueError, match="sparse MoE"):
+        DecodeRunner(LLM("qwen3_next-tiny", device="cpu"), 4, 256, cuda_graphs=True)
+    runner = DecodeRunner(LLM(NO_COMPRESSED, device="cpu"), 4, 256)
+    assert runner.graphs == {} and not runner.check_graph_safe
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+        runner.capture()
+    t = torch.zeros(2)
+    assert not graph_safe(t)
+    with static_launches():
+        with static_launches():
+            assert graph_safe(t)
+        assert graph_safe(t)
+    assert not graph_safe(t)
+
+
+def test_block_tables_are_checked_on_the_host_before_a_step() -> None:
+    """A replayed graph runs no launcher checks, so the runner checks pages itself."""
+    llm = LLM(NO_COMPRESSED, device="cpu")
+    runner = DecodeRunner(llm, 2, 256)
+    unit = runner.unit
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        runner._check_pages([[[0, runner.num_blocks[0]]] for _ in runner.forms], [unit])
+    with pytest.raises(RuntimeError, match="block table of 1 pages for position"):
+        runner._check_pages([[[1]] for _ in runner.forms], [unit])
+    runner._check_pages([[[1, 2]] for _ in runner.forms], [unit])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on CPU the capture check above stands in)")
+def test_cuda_graphs_replay_the_eager_decode_step() -> None:
+    """On CUDA the runner captures one graph per padded size; replaying them gives the eager
+    runner's tokens and logits, over the same buffer addresses; the MoE model runs eagerly."""
+    prompts = [tokens(40 + 9 * i, 60 + i) for i in range(5)]
+    results = {}
+    for graphs in (False, True):
+        llm = LLM(qwen3_next_dense(), device="cuda", check_invariants=True)
+        runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8), cuda_graphs=graphs)
+        runner = runtime.decode_runner
+        assert runner is not None and bool(runner.graphs) == graphs
+        if graphs:
+            assert sorted(runner.graphs) == list(runner.sizes)
+        addresses = [t.data_ptr() for t in runner.buffers()]
+        added = [runtime.add_request(p, PARAMS, keep_logits=True) for p in prompts]
+        runtime.run()
+        assert [t.data_ptr() for t in runner.buffers()] == addresses
+        results[graphs] = added
+    for eager, replayed in zip(results[False], results[True], strict=True):
+        assert eager.output_token_ids == replayed.output_token_ids
+        for a, b in zip(eager.sampled_logits, replayed.sampled_logits, strict=True):
+            assert (a - b).abs().max().item() <= TOLERANCE[torch.float32]
+    assert Runtime(LLM("qwen3_next-tiny", device="cuda")).decode_runner.graphs == {}  # type: ignore[union-attr]

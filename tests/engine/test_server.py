@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.cache import CacheConfig
 from engine.events import RequestEvent
@@ -29,7 +28,7 @@ from engine.llm import LLM
 from engine.runtime import Runtime, SchedulerConfig
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.runtime import RuntimeRequest
-from engine.runtime.server import StopStrings, create_app, render_chat
+from engine.runtime.server import StopStrings, create_app, render_chat, serve_in_thread
 from engine.sampling import SamplingParams
 from engine.telemetry import ListSink
 from engine.trace.formats import TraceRequest, load_trace
@@ -70,23 +69,8 @@ def served() -> Iterator[Served]:
 @contextlib.contextmanager
 def serve(llm: LLM, runtime: Runtime, sink: ListSink) -> Iterator[Served]:
     """uvicorn on a free loopback port in a thread, until the block ends."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(EngineLoop(runtime), MODEL), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    else:
-        pytest.fail("the server did not come up")
-    yield Served(url, llm, runtime, sink)
-    server.should_exit = True
-    thread.join(30)
+    with serve_in_thread(create_app(EngineLoop(runtime), MODEL), free_port()) as url:
+        yield Served(url, llm, runtime, sink)
 
 
 def reference_text(prompt: str, max_tokens: int) -> str:
@@ -204,6 +188,9 @@ def test_a_client_gone_mid_stream_frees_its_request(served: Served) -> None:
     assert ended and ended[-1].output_tokens < 200  # aborted, not run to max_tokens
     metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
     assert "kvscope_server_requests_total" in metrics and "kvscope_server_time_to_first_token_seconds_bucket" in metrics
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    preemptions = families["kvscope_server_preemptions"]
+    assert preemptions.type == "counter" and preemptions.samples[0].value == served.runtime.num_preemptions
 
 
 def test_thirty_two_weka_sessions_replayed_through_the_server(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import kernels.paged_prefill_attention
 import kernels.sparse_compressed_attention
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from tests.helpers import BACKEND_PARITY, TOLERANCE
+from tests.helpers import BACKEND_PARITY, TOLERANCE, qwen3_next_dense
 
 LAUNCHERS = [
     (kernels.paged_prefill_attention, "paged_prefill_attention"),
@@ -162,9 +162,12 @@ def test_the_indexer_choice_is_the_same_on_both_sides_of_the_kernel_sort_limit(
     assert launches["indexer_topk"] == (1 if max_keys is None else 0)
 
 
-def test_the_runtime_decodes_through_the_kernels_in_padded_batches(device: str, launches: Counter[str]) -> None:
+@pytest.mark.parametrize("dense", [False, True], ids=["qwen3_next-tiny", "qwen3_next-dense"])
+def test_the_runtime_decodes_through_the_kernels_in_padded_batches(dense: bool, device: str, launches: Counter[str]) -> None:
     """The runtime's static decode batches (padded to 4, decode slots) on the Triton backend give
-    the torch backend's logits."""
+    the torch backend's logits. Without the MoE, the Triton steps run as a CUDA graph capture
+    records them (launchers without host reads, checked by ``forbid_host_sync``); on CUDA they
+    are captured graphs, replayed."""
     from engine.runtime import Runtime, SchedulerConfig
 
     gen = torch.Generator().manual_seed(5)
@@ -172,11 +175,27 @@ def test_the_runtime_decodes_through_the_kernels_in_padded_batches(device: str, 
     params = SamplingParams(max_tokens=4, temperature=0.0)
     rows: dict[str, list[torch.Tensor]] = {}
     for backend in ("torch", "triton"):
-        llm = LLM("qwen3_next-tiny", device=device, kernel_backend=backend, check_invariants=True)
-        runtime = Runtime(llm, SchedulerConfig(max_num_seqs=4), decode_batch_sizes=(4,))
+        llm = LLM(qwen3_next_dense() if dense else "qwen3_next-tiny", device=device, kernel_backend=backend, check_invariants=True)
+        runtime = Runtime(llm, SchedulerConfig(max_num_seqs=4), decode_batch_sizes=(4,), check_graph_safe=dense and backend == "triton")
+        assert runtime.decode_runner is not None
+        assert bool(runtime.decode_runner.graphs) == (dense and device == "cuda")
         added = [runtime.add_request(p, params, keep_logits=True) for p in prompts]
         runtime.run()
         rows[backend] = [row for r in added for row in r.sampled_logits]
     assert launches["paged_decode_attention"] and launches["fused_recurrent_gated_delta_rule"] and launches["causal_conv1d_update"]
     for a, b in zip(rows["torch"], rows["triton"], strict=True):
         assert (a - b).abs().max().item() <= BACKEND_PARITY
+
+
+def test_a_launcher_reading_device_values_fails_the_capture_check(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture check sees the launchers: with their host reads back on (``graph_safe``
+    false), the first decode step (or, on CUDA, the capture) raises."""
+    from engine.runtime import Runtime, SchedulerConfig
+    from engine.runtime.cuda_graphs import HostSyncError
+
+    monkeypatch.setattr(kernels.paged_decode_attention, "graph_safe", lambda *tensors: False)
+    with pytest.raises(HostSyncError, match="__int__"):
+        llm = LLM(qwen3_next_dense(), device=device, kernel_backend="triton")
+        runtime = Runtime(llm, SchedulerConfig(max_num_seqs=2), decode_batch_sizes=(2,), check_graph_safe=True)
+        runtime.add_request(list(range(1, 30)), SamplingParams(max_tokens=2, temperature=0.0))
+        runtime.run()
