@@ -105,6 +105,12 @@ class PagedSequence:
         self._chunk_positions: Tensor | None = None
         self.finished = False
 
+    @property
+    def chunk_positions(self) -> Tensor | None:
+        """The positions tensor ``[T]`` of the chunk begun by :meth:`begin_chunk` and not yet
+        committed (the layers must pass this very tensor), or None between chunks."""
+        return self._chunk_positions
+
     # -- SequenceState --------------------------------------------------------------------------
     def attention_kv(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> AttentionKV:
         plan = self._write_chunk(layer, positions, keys, values)

@@ -12,7 +12,10 @@ What the mixers see instead of a :class:`~engine.model.state.SequenceState`:
   and return the layer's pool views, block tables ``[B_pad, max_pages]`` and ``seq_lens``;
 * :attr:`DecodeBatch.slot_ids` and :meth:`DecodeBatch.linear` — each row's decode slot in the
   static ``conv [S, C, K − 1]`` / ``recurrent [S, H, D_k, D_v]`` tensors of a linear layer,
-  updated in place.
+  updated in place;
+* :meth:`DecodeBatch.per_row` — for DeepSeek-V4's layers in a ``kvscope_hybrid`` (their
+  compressor, indexer and window state is per sequence): the layer once per live row on that
+  row's :class:`~engine.model.state.SequenceState`, zeros for padding rows.
 
 The math is the per-sequence path's (:mod:`engine.model.attention`,
 :mod:`engine.model.gated_deltanet`), one token per row, in torch or through the kernels.
@@ -21,12 +24,17 @@ The math is the per-sequence path's (:mod:`engine.model.attention`,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from kernels.launch import graph_safe
+
+if TYPE_CHECKING:
+    from engine.model.state import SequenceState
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +75,19 @@ class DecodeBatch:
         self.slot_ids = slot_ids
         """``[B_pad]`` int64: each row's decode slot (0, the sentinel, on padding rows)."""
         self._conv, self._recurrent = conv, recurrent
+        self.sequences: tuple[tuple[SequenceState, Tensor], ...] = ()
+        """Rows ``[0, B)`` for this step as (sequence state, its chunk's positions ``[1]``), set by
+        the runner before each step: the mixers without a batched path (DeepSeek-V4's) run per
+        row on them."""
+
+    def per_row(self, mix: Callable[[Tensor, Tensor, SequenceState], Tensor], h: Tensor) -> Tensor:
+        """``mix(h[i:i+1], positions_i, state_i)`` for each live row ``i`` on its own sequence
+        state; padding rows get zeros and touch no state. ``h [B_pad, C]`` → ``[B_pad, C_out]``."""
+        outputs = [mix(h[i : i + 1], positions, state) for i, (state, positions) in enumerate(self.sequences)]
+        pad = self.size - len(self.sequences)
+        if pad:
+            outputs.append(h.new_zeros((pad, outputs[0].shape[1] if outputs else h.shape[1])))
+        return torch.cat(outputs)
 
     def write_kv(self, layer: int, keys: Tensor, values: Tensor) -> LayerPages:
         """Store ``keys / values [B_pad, H_kv, D]`` at each row's slot-mapping position and

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from engine.config import COMPRESSED_KINDS, HybridConfig, hybrid_config_from_dict
 from engine.model.attention import Attention
 from engine.model.base import WINDOW_KINDS, CausalLM, ModelLayout
+from engine.model.decode_batch import DecodeBatch
 from engine.model.deepseek_v4_attention import DeepseekV4Attention
 from engine.model.gated_deltanet import GatedDeltaNet
 from engine.model.layers import RMSNorm, SwiGLU, rotary_cos_sin
@@ -38,14 +39,16 @@ class DecoderLayer(nn.Module):
             self.mixer = Attention(config, layer, window)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState | PackedStates) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState | PackedStates | DecodeBatch) -> Tensor:
         x = x + per_sequence(self._mix, self.input_layernorm(x), positions, rope, state)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _mix(self, h: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor] | None, state: SequenceState) -> Tensor:
+    def _mix(self, h: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor] | None, state: SequenceState | DecodeBatch) -> Tensor:
         if isinstance(self.mixer, GatedDeltaNet):
             return self.mixer(h, state)
         if isinstance(self.mixer, DeepseekV4Attention):
+            if isinstance(state, DecodeBatch):  # no batched path: each live row on its own state
+                return state.per_row(self.mixer, h)
             return self.mixer(h, positions, state)
         assert rope is not None
         return self.mixer(h, positions, rope, state)

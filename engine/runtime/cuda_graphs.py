@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from engine.model.deepseek_v4_attention import DeepseekV4Attention
 from engine.model.qwen3_next_moe import Qwen3NextExperts
 
 _HOST_READS = {
@@ -97,7 +98,10 @@ def graph_unsafe_reason(model: nn.Module) -> str | None:
     """Why ``model``'s batched decode forward cannot be captured, or None when it can: Qwen3-Next's
     sparse MoE dispatches tokens to experts by value (``unique`` and ``where`` over the router's
     choices), which needs a fused MoE kernel with static shapes (vLLM's ``fused_moe``) that the
-    engine does not have yet."""
+    engine does not have yet; DeepSeek-V4's layers run per row on each sequence's own state
+    (:meth:`~engine.model.decode_batch.DecodeBatch.per_row`)."""
     if any(isinstance(m, Qwen3NextExperts) for m in model.modules()):
         return "its sparse MoE layers dispatch tokens to experts by value (no static-shape MoE kernel yet)"
+    if any(isinstance(m, DeepseekV4Attention) for m in model.modules()):
+        return "its DeepSeek-V4 layers decode per row on per-sequence compressor and indexer state"
     return None

@@ -37,6 +37,7 @@ from engine.cache.sequence import PagedSequence
 from engine.llm import LLM
 from engine.model.decode_batch import DecodeBatch
 from engine.model.deepseek_v4_attention import DeepseekV4Attention
+from engine.model.hybrid import HybridForCausalLM
 from engine.model.state import LinearLayerState
 from engine.runtime.cuda_graphs import forbid_host_sync, graph_unsafe_reason
 from kernels.launch import static_launches
@@ -48,9 +49,11 @@ DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def supports_static_decode(model: nn.Module) -> bool:
-    """Whether every mixer of ``model`` has the batched decode path: not yet DeepSeek-V4's
-    sliding, CSA and HCA layers (their compressor state is per sequence)."""
-    return not any(isinstance(m, DeepseekV4Attention) for m in model.modules())
+    """Whether ``model`` decodes through the runner: every ``kvscope_hybrid`` and Qwen3-Next
+    model (a hybrid's DeepSeek-V4 layers run per row inside the batch,
+    :meth:`~engine.model.decode_batch.DecodeBatch.per_row`), not yet the ``deepseek_v4`` family
+    itself (its decoder layers have no batch entry)."""
+    return isinstance(model, HybridForCausalLM) or not any(isinstance(m, DeepseekV4Attention) for m in model.modules())
 
 
 class DecodeRunner:
@@ -80,7 +83,7 @@ class DecodeRunner:
         *, cuda_graphs: bool | None = None, check_graph_safe: bool = False,
     ) -> None:  # fmt: skip
         if not supports_static_decode(llm.model):
-            raise ValueError(f"{llm.model_name}: DeepSeek-V4 attention layers have no batched decode path yet")
+            raise ValueError(f"{llm.model_name}: the deepseek_v4 family has no batched decode path yet")
         if max_num_seqs < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs and max_model_len must be positive")
         sizes = batch_sizes or tuple(s for s in DECODE_BATCH_SIZES if s < max_num_seqs)
@@ -202,6 +205,12 @@ class DecodeRunner:
             self.seq_lens[i][:b_pad].copy_(torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32))
             self.write_pages[i][:b_pad].copy_(torch.tensor([tables[i][r][p // self.unit] for r, p in enumerate(positions)] + [0] * pad))
             self.write_offsets[i][:b_pad].copy_(torch.tensor([p % self.unit for p in positions] + [0] * pad))
+        live = []
+        for seq, _ in rows:
+            if seq.chunk_positions is None:
+                raise RuntimeError("a decode row whose chunk was not begun (begin_chunk)")
+            live.append((seq, seq.chunk_positions))
+        self._batches[b_pad].sequences = tuple(live)
         graph = self.graphs.get(b_pad)
         if graph is not None:
             graph.replay()

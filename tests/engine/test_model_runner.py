@@ -24,18 +24,19 @@ NO_COMPRESSED = HybridConfig(layer_types=("linear_attention", "sliding_attention
 
 
 def models() -> list[object]:
-    return ["qwen3_next-tiny", NO_COMPRESSED, qwen3_next_dense()]
+    return ["qwen3_next-tiny", NO_COMPRESSED, qwen3_next_dense(), "kvscope_hybrid-tiny"]
 
 
-@pytest.mark.parametrize("model", models(), ids=["qwen3_next-tiny", "hybrid-linear-sliding-full", "qwen3_next-dense"])
+@pytest.mark.parametrize("model", models(), ids=["qwen3_next-tiny", "hybrid-linear-sliding-full", "qwen3_next-dense", "kvscope_hybrid-tiny"])
 def test_static_decode_matches_the_per_sequence_path(model: object) -> None:
-    """Besides MoE models, every step runs as a CUDA graph capture records it (no host reads,
-    no value-shaped ops, the launchers' value checks skipped): the decode forward is capturable."""
+    """Besides MoE models and DeepSeek-V4 layers (per row inside the batch), every step runs as a
+    CUDA graph capture records it (no host reads, no value-shaped ops, the launchers' value checks
+    skipped): the decode forward is capturable."""
     prompts = [tokens(40 + 9 * i, 60 + i) for i in range(5)]
     want = [o.output_token_ids for o in LLM(model, device="cpu").generate(prompts, PARAMS)]
     llm = LLM(model, device="cpu", check_invariants=True)
     capturable = graph_unsafe_reason(llm.model) is None
-    assert capturable == (model != "qwen3_next-tiny")
+    assert capturable == (model not in ("qwen3_next-tiny", "kvscope_hybrid-tiny"))
     runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8), check_graph_safe=capturable)
     assert runtime.decode_runner is not None and not runtime.decode_runner.graphs  # no capture off CUDA
     added = [runtime.add_request(p, PARAMS, keep_logits=True) for p in prompts]
@@ -102,11 +103,10 @@ def test_the_sentinel_slot_is_never_handed_out_and_slots_are_checked() -> None:
 
 
 def test_models_without_the_batched_path_fall_back() -> None:
-    for model in ("kvscope_hybrid-tiny", "deepseek_v4-tiny"):  # DeepSeek-V4 attention layers
-        llm = LLM(model, device="cpu")
-        assert not supports_static_decode(llm.model) and Runtime(llm).decode_runner is None
-        with pytest.raises(ValueError, match="no batched decode path"):
-            DecodeRunner(llm, 4, 256)
+    llm = LLM("deepseek_v4-tiny", device="cpu")
+    assert not supports_static_decode(llm.model) and Runtime(llm).decode_runner is None
+    with pytest.raises(ValueError, match="no batched decode path"):
+        DecodeRunner(llm, 4, 256)
     with pytest.raises(ValueError, match="max_model_len"):
         Runtime(LLM("qwen3_next-tiny", device="cpu"), SchedulerConfig(max_model_len=64)).add_request(tokens(60, 1), SamplingParams(max_tokens=10))
 

@@ -162,8 +162,8 @@ def test_the_indexer_choice_is_the_same_on_both_sides_of_the_kernel_sort_limit(
     assert launches["indexer_topk"] == (1 if max_keys is None else 0)
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["qwen3_next-tiny", "qwen3_next-dense"])
-def test_the_runtime_decodes_through_the_kernels_in_padded_batches(dense: bool, device: str, launches: Counter[str]) -> None:
+@pytest.mark.parametrize("model", ["qwen3_next-tiny", "qwen3_next-dense", "kvscope_hybrid-tiny"])
+def test_the_runtime_decodes_through_the_kernels_in_padded_batches(model: str, device: str, launches: Counter[str]) -> None:
     """The runtime's static decode batches (padded to 4, decode slots) on the Triton backend give
     the torch backend's logits. Without the MoE, the Triton steps run as a CUDA graph capture
     records them (launchers without host reads, checked by ``forbid_host_sync``); on CUDA they
@@ -175,7 +175,8 @@ def test_the_runtime_decodes_through_the_kernels_in_padded_batches(dense: bool, 
     params = SamplingParams(max_tokens=4, temperature=0.0)
     rows: dict[str, list[torch.Tensor]] = {}
     for backend in ("torch", "triton"):
-        llm = LLM(qwen3_next_dense() if dense else "qwen3_next-tiny", device=device, kernel_backend=backend, check_invariants=True)
+        llm = LLM(qwen3_next_dense() if model == "qwen3_next-dense" else model, device=device, kernel_backend=backend, check_invariants=True)
+        dense = model == "qwen3_next-dense"
         runtime = Runtime(llm, SchedulerConfig(max_num_seqs=4), decode_batch_sizes=(4,), check_graph_safe=dense and backend == "triton")
         assert runtime.decode_runner is not None
         assert bool(runtime.decode_runner.graphs) == (dense and device == "cuda")
@@ -183,6 +184,8 @@ def test_the_runtime_decodes_through_the_kernels_in_padded_batches(dense: bool, 
         runtime.run()
         rows[backend] = [row for r in added for row in r.sampled_logits]
     assert launches["paged_decode_attention"] and launches["fused_recurrent_gated_delta_rule"] and launches["causal_conv1d_update"]
+    if model == "kvscope_hybrid-tiny":  # its DeepSeek-V4 layers (prefill, and per row in the decode batches)
+        assert launches["sparse_compressed_attention"]
     for a, b in zip(rows["torch"], rows["triton"], strict=True):
         assert (a - b).abs().max().item() <= BACKEND_PARITY
 
