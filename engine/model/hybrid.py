@@ -39,7 +39,7 @@ class DecoderLayer(nn.Module):
             self.mixer = Attention(config, layer, window)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState | PackedStates | DecodeBatch) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState | PackedStates) -> Tensor:
         x = x + per_sequence(self._mix, self.input_layernorm(x), positions, rope, state)
         return x + self.mlp(self.post_attention_layernorm(x))
 
