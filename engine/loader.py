@@ -204,5 +204,6 @@ def save_directory(model: nn.Module, config_dict: Mapping[str, Any], path: Path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(dict(config_dict), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     aliases = getattr(model, "tied_weights", {})
-    tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in model.state_dict().items() if k not in aliases}
+    # clone: packed parameters (Qwen3-Next's experts) save as views of one storage, which safetensors refuses
+    tensors = {k: v.detach().to(torch.float32).cpu().clone() for k, v in model.state_dict().items() if k not in aliases}
     save_file(tensors, str(path / "model.safetensors"))

@@ -21,7 +21,8 @@
   on a varlen batch (state in and out, in place optionally) and the causal conv's decode step.
 
 :mod:`kernels.launch` says when the launchers skip their host reads of device values (while a
-CUDA graph is captured, and in the serving runtime's static decode step).
+CUDA graph is captured, and in the runs the serving runtime's model runner makes as a capture
+would), and puts each launch on its tensors' GPU.
 
 The engine calls them through :mod:`engine.model.kernel_backend` (``LLM(kernel_backend=...)``;
 the default picks them on CUDA).

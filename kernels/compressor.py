@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import on_tensor_device
+
 BLOCK_D = 64
 """Channels one program pools."""
 
@@ -116,6 +118,7 @@ def _check(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, prev_kv: to
     return ratio, head_dim
 
 
+@on_tensor_device
 def compress_pool(
     kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, *, overlapping: bool,
     prev_kv: torch.Tensor | None = None, prev_gate: torch.Tensor | None = None,
@@ -161,6 +164,7 @@ def compress_pool_ref(
     return (group_kv * group_gate.softmax(dim=1)).sum(dim=1)
 
 
+@on_tensor_device
 def compressor_decode_step(
     row_kv: torch.Tensor, row_gate: torch.Tensor, pending_kv: torch.Tensor, pending_gate: torch.Tensor, count: int,
     bias: torch.Tensor, *, overlapping: bool, prev_kv: torch.Tensor | None = None, prev_gate: torch.Tensor | None = None,

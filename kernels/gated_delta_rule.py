@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import graph_safe
+from kernels.launch import graph_safe, on_tensor_device
 
 BLOCK_V = 32
 """Value channels one program carries."""
@@ -175,6 +175,7 @@ def _run(
     return out, final
 
 
+@on_tensor_device
 def fused_recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor, cu_seqlens: torch.Tensor, *, inplace: bool = False, out: torch.Tensor | None = None,
@@ -191,6 +192,7 @@ def fused_recurrent_gated_delta_rule(
     return _run(_recurrent_kernel, q, k, v, g, beta, initial_state, cu_seqlens, inplace, out)
 
 
+@on_tensor_device
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor, cu_seqlens: torch.Tensor, *, inplace: bool = False, out: torch.Tensor | None = None,
@@ -245,6 +247,7 @@ def _conv_update_kernel(x_ptr, w_ptr, state_ptr, y_ptr, channels, s_xb, s_sb, s_
     tl.store(p_state, b_next.to(state_ptr.dtype.element_ty), mask=m_c[:, None] & m_past[None, :])
 
 
+@on_tensor_device
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
     """One decode token per row: ``x [B, C]``, ``weight [C, K]``, ``conv_state [B, C, K - 1]``
     (oldest input first; updated in place) → ``y [B, C]`` in x's dtype.

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import on_tensor_device
+
 BLOCK_N = 64
 """Keys one scoring program handles."""
 MAX_KEYS = 16384
@@ -96,6 +98,7 @@ def _check(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions
         raise ValueError("every tensor must be on one device")
 
 
+@on_tensor_device
 def indexer_topk(
     q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, *, ratio: int, k: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

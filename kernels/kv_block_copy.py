@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import on_tensor_device
+
 BLOCK = 1024
 """Elements one program copies."""
 
@@ -68,6 +70,7 @@ def _check(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids:
         raise ValueError("a copy within one tensor may not read a row it writes")
 
 
+@on_tensor_device
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for every ``i`` (in place on ``dst``).
 
@@ -96,6 +99,7 @@ def copy_blocks_ref(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
     dst[dst_ids.long()] = src[src_ids.long()]
 
 
+@on_tensor_device
 def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Swap-out: a new staging tensor ``[N, *block]`` holding ``pool[block_ids]`` in order."""
     staging = torch.empty((block_ids.numel(), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
@@ -103,6 +107,7 @@ def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return staging
 
 
+@on_tensor_device
 def scatter_blocks(staging: torch.Tensor, pool: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Swap-in: ``pool[block_ids[i]] = staging[i]`` for every row of ``staging [N, *block]``."""
     copy_blocks(staging, pool, torch.arange(block_ids.numel(), device=pool.device, dtype=block_ids.dtype), block_ids)

@@ -1,4 +1,5 @@
-"""Whether the kernels' launchers may read device tensors on the host.
+"""Whether the kernels' launchers may read device tensors on the host, and on which GPU they
+launch (:func:`on_tensor_device`).
 
 Each launcher validates its arguments before it launches: shapes, dtypes and strides (host
 metadata, free), and values such as ``seq_lens.max()`` against the block table's width or the
@@ -9,19 +10,24 @@ the value checks; the caller (the serving runtime's model runner, which builds t
 the host) checks them instead before every replay.
 
 :func:`graph_safe` is true while the current CUDA stream is capturing, and inside
-:func:`static_launches` (what the model runner uses on every device, so the same path runs on CPU
-under Triton's interpreter in tests).
+:func:`static_launches`: what the model runner uses for its warm-up and capture runs, and for
+eager steps checked with ``check_graph_safe`` (how tests run the captured path on CPU under
+Triton's interpreter). Ordinary eager steps keep the host checks.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import ParamSpec, TypeVar
 
 import torch
 
 _local = threading.local()
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def graph_safe(*tensors: torch.Tensor) -> bool:
@@ -40,3 +46,17 @@ def static_launches() -> Iterator[None]:
         yield
     finally:
         _local.depth -= 1
+
+
+def on_tensor_device(launcher: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``launcher`` with its first tensor argument's GPU as the current device (Triton
+    launches on the current device's current stream, and the current device is per thread:
+    without this a model on ``cuda:1`` would launch on ``cuda:0``). A no-op for CPU tensors."""
+
+    @functools.wraps(launcher)
+    def launch(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        with torch.cuda.device(first.device) if first is not None and first.is_cuda else nullcontext():
+            return launcher(*args, **kwargs)
+
+    return launch

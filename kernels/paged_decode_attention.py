@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import graph_safe
+from kernels.launch import graph_safe, on_tensor_device
 
 
 @triton.jit
@@ -119,6 +119,7 @@ def _check(
         raise ValueError("every tensor must be on one device")
 
 
+@on_tensor_device
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

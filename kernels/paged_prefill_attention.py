@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import on_tensor_device
+
 BLOCK_M = 16
 """Chunk tokens one program holds."""
 
@@ -121,6 +123,7 @@ def _check(
         raise ValueError("every tensor must be on one device")
 
 
+@on_tensor_device
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import on_tensor_device
+
 BLOCK_S = 32
 """Window rows or entries one step of a program reads."""
 BLOCK_H = 16
@@ -128,6 +130,7 @@ def _check(
         raise ValueError("every tensor must be on one device")
 
 
+@on_tensor_device
 def sparse_compressed_attention(
     q: torch.Tensor, window_kv: torch.Tensor, window_positions: torch.Tensor, entries: torch.Tensor, positions: torch.Tensor,
     sinks: torch.Tensor, *, scale: float, window: int,

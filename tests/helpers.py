@@ -56,3 +56,13 @@ def qwen3_next_dense() -> object:
     from engine.presets import PRESETS
 
     return config_from_dict({"model_type": "qwen3_next", **PRESETS["qwen3_next-tiny"].fields, "num_experts": 0})
+
+
+def _no_compressed() -> object:
+    from engine.config import HybridConfig
+
+    return HybridConfig(layer_types=("linear_attention", "sliding_attention", "full_attention", "linear_attention"), sliding_window=24)
+
+
+NO_COMPRESSED = _no_compressed()
+"""A kvscope_hybrid with every kind the runner batches: linear, sliding and full layers."""

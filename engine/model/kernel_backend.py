@@ -1,5 +1,5 @@
 """The kernel backend switch: which implementation a layer's attention, gated delta rule, causal
-conv, compressor pooling and indexer top-k run on.
+conv, compressor pooling, indexer top-k and routed experts run on.
 
 * ``torch``: the plain PyTorch path on every device (the reference the kernels are checked
   against).
@@ -220,3 +220,12 @@ def indexer_topk(
         scale=scale,
     )
     return indices, valid
+
+
+def fused_moe(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+    """Qwen3-Next's routed experts through :func:`kernels.fused_moe.fused_moe`: ``x [T, C]``,
+    packed ``gate_up [E, 2I, C]`` and ``down [E, C, I]``, the router's ``topk_ids / topk_weights
+    [T, k]`` → ``[T, C]`` in x's dtype."""
+    from kernels.fused_moe import fused_moe as moe
+
+    return moe(x.contiguous(), gate_up.to(x.dtype).contiguous(), down.to(x.dtype).contiguous(), topk_ids, topk_weights)

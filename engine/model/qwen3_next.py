@@ -23,7 +23,7 @@ from engine.model.qwen3_next_layers import (
     Qwen3NextGatedDeltaNet,
     ZeroCentredRMSNorm,
 )
-from engine.model.qwen3_next_moe import Qwen3NextSparseMoe
+from engine.model.qwen3_next_moe import Qwen3NextExperts, Qwen3NextSparseMoe
 from engine.model.state import DenseState, PackedStates, SequenceState, per_sequence
 
 __all__ = ["Qwen3NextConfig", "Qwen3NextForCausalLM", "build", "config_from_dict"]
@@ -132,6 +132,10 @@ class Qwen3NextForCausalLM(CausalLM):
                         module.bias.zero_()
                 elif isinstance(module, nn.Embedding):
                     normal(module.weight)
+                elif isinstance(module, Qwen3NextExperts):
+                    for e in range(module.num_experts):  # the checkpoint layout's order
+                        for view in module.expert(e).values():
+                            normal(view)
                 elif isinstance(module, Qwen3NextGatedDeltaNet):
                     module.dt_bias.fill_(1.0)
                     module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(0.01, 16.0, generator=gen).log())

@@ -8,34 +8,74 @@ Shapes: T tokens, C hidden size, E experts, k experts per token, I expert interm
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
+from engine.model import kernel_backend as kb
 from engine.model.layers import SwiGLU
 from engine.model.qwen3_next_config import Qwen3NextConfig
 
 
-class Qwen3NextExperts(nn.ModuleList):
-    """E SwiGLU experts, ``experts.{e}.{gate_proj,up_proj}.weight [I, C]`` and
-    ``experts.{e}.down_proj.weight [C, I]``: the layout of Qwen3-Next checkpoints and of what
-    transformers' ``save_pretrained`` writes (transformers packs them into ``gate_up_proj`` /
-    ``down_proj`` tensors in memory only, converting on load and save).
+class Qwen3NextExperts(nn.Module):
+    """E SwiGLU experts, packed in memory as transformers keeps them: ``gate_up_proj [E, 2I, C]``
+    (each expert's gate rows, then its up rows) and ``down_proj [E, C, I]``, so one kernel can
+    address every expert (:func:`kernels.fused_moe.fused_moe`). Checkpoints keep the Qwen3-Next
+    layout, ``experts.{e}.{gate_proj,up_proj}.weight [I, C]`` and ``experts.{e}.down_proj.weight
+    [C, I]``: ``state_dict`` and ``load_state_dict`` convert (as transformers does on save and load).
 
     forward: ``x [T, C]``, ``expert_ids [T, k]`` (distinct per token), ``weights [T, k]`` →
     ``Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)`` as ``[T, C]``, accumulated in ascending expert
-    order (as transformers does, so float sums round the same way).
+    order (as transformers does, so float sums round the same way). The experts each token chose
+    are found by value (``unique``, ``where``): a CUDA graph cannot capture this path.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__(SwiGLU(hidden_size, intermediate_size) for _ in range(num_experts))
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def expert(self, e: int) -> dict[str, Tensor]:
+        """Expert ``e``'s checkpoint tensors as views of the packed parameters."""
+        i = self.intermediate_size
+        return {"gate_proj": self.gate_up_proj[e, :i], "up_proj": self.gate_up_proj[e, i:], "down_proj": self.down_proj[e]}
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         out = torch.zeros_like(x)
         for expert in torch.unique(expert_ids).tolist():
             tokens, slots = torch.where(expert_ids == expert)
-            y = self[expert](x[tokens]) * weights[tokens, slots, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+            w = self.expert(expert)
+            h = x[tokens]
+            y = nn.functional.linear(nn.functional.silu(nn.functional.linear(h, w["gate_proj"])) * nn.functional.linear(h, w["up_proj"]), w["down_proj"])
+            out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
         return out
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        for e in range(self.num_experts):
+            for name, t in self.expert(e).items():
+                destination[f"{prefix}{e}.{name}.weight"] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
+        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+    ) -> None:  # fmt: skip
+        mine = set()
+        with torch.no_grad():
+            for e in range(self.num_experts):
+                for name, view in self.expert(e).items():
+                    key = f"{prefix}{e}.{name}.weight"
+                    mine.add(key)
+                    if key not in state_dict:
+                        missing_keys.append(key)
+                    elif tuple(state_dict[key].shape) != tuple(view.shape):
+                        error_msgs.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)} in the checkpoint, {tuple(view.shape)} here")
+                    else:
+                        view.copy_(state_dict[key])
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in mine)
 
 
 class Qwen3NextSparseMoe(nn.Module):
@@ -45,8 +85,11 @@ class Qwen3NextSparseMoe(nn.Module):
 
     forward: ``x [T, C]`` → ``[T, C]``: router probabilities ``softmax(x Wᵀ)`` in float32, the
     top-k of them (divided by their sum when ``norm_topk_prob``), the weighted experts, plus the
-    shared expert gated by a sigmoid.
+    shared expert gated by a sigmoid. With the Triton backend the routed experts run in
+    :func:`kernels.fused_moe.fused_moe` (fixed shapes: a CUDA graph can capture it).
     """
+
+    kernel_backend: kb.KernelBackend = "torch"
 
     def __init__(self, config: Qwen3NextConfig) -> None:
         super().__init__()
@@ -64,5 +107,8 @@ class Qwen3NextSparseMoe(nn.Module):
         top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        routed = self.experts(x, top_ids, top_weights.to(x.dtype))
+        if self.kernel_backend == "triton":
+            routed = kb.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, top_ids, top_weights.to(x.dtype))
+        else:
+            routed = self.experts(x, top_ids, top_weights.to(x.dtype))
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared

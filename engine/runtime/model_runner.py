@@ -67,15 +67,17 @@ class DecodeRunner:
         batch_sizes: the padded sizes to use (default: :data:`DECODE_BATCH_SIZES` up to
             ``max_num_seqs``, which is always one of them).
         cuda_graphs: capture one graph per padded size and replay it (vLLM's ``enforce_eager``
-            is ``cuda_graphs=False``). None: on CUDA when the model's decode forward is
-            capturable (:func:`~engine.runtime.cuda_graphs.graph_unsafe_reason`; otherwise it
-            runs eagerly, logged once). True off CUDA or on an uncapturable model raises.
+            is ``cuda_graphs=False``). None: on CUDA with the Triton backend when the model's
+            decode forward is capturable (:func:`~engine.runtime.cuda_graphs.graph_unsafe_reason`);
+            otherwise, or if the capture fails, it decodes eagerly, logged. True off CUDA or on
+            an uncapturable model raises; a failed capture then raises too.
         check_graph_safe: run every eager step as a capture would, under
             :class:`~engine.runtime.cuda_graphs.forbid_host_sync` (tests; slow).
 
     Raises:
         ValueError: a model without the batched decode path, non-positive limits, or
             ``cuda_graphs=True`` where graphs cannot be captured.
+        RuntimeError: with ``cuda_graphs=True``, a capture that fails (see :meth:`capture`).
     """
 
     def __init__(
@@ -119,12 +121,21 @@ class DecodeRunner:
         unsafe = graph_unsafe_reason(llm.model)
         if cuda_graphs and (device.type != "cuda" or unsafe):
             raise ValueError(f"cuda_graphs=True needs a CUDA device and a capturable model; {llm.model_name} on {device.type}" + (f": {unsafe}" if unsafe else ""))
-        if cuda_graphs is None and device.type == "cuda":
-            cuda_graphs = unsafe is None
-            if unsafe:
-                log.warning("%s: decode runs without CUDA graphs: %s", llm.model_name, unsafe)
         if cuda_graphs:
             self.capture()
+        elif cuda_graphs is None and device.type == "cuda":
+            if llm.kernel_backend != "triton":
+                unsafe = unsafe or "the torch backend's graph attends over every page of max_model_len (the kernels read only each row's)"
+            if unsafe:
+                log.warning("%s: decode runs without CUDA graphs: %s", llm.model_name, unsafe)
+            else:
+                try:
+                    self.capture()
+                except Exception:  # auto mode: an uncapturable forward decodes eagerly
+                    log.exception("%s: capturing the decode CUDA graphs failed; decoding eagerly (--enforce-eager avoids trying)", llm.model_name)
+                    self.graphs.clear()
+                    self._graph_logits.clear()
+                    torch.cuda.synchronize(device)
 
     def buffers(self) -> list[Tensor]:
         """Every persistent tensor the decode forward reads or writes (besides the pools)."""
@@ -176,6 +187,8 @@ class DecodeRunner:
         Raises:
             ValueError: more rows than the largest batch size, or a sequence longer than
                 ``max_model_len``.
+            RuntimeError: a row whose chunk was not begun, or a block table that does not cover
+                its position or names a page outside its pool (:meth:`_check_pages`).
         """
         b = len(rows)
         if not 0 < b <= self.sizes[-1]:
@@ -210,12 +223,17 @@ class DecodeRunner:
             if seq.chunk_positions is None:
                 raise RuntimeError("a decode row whose chunk was not begun (begin_chunk)")
             live.append((seq, seq.chunk_positions))
-        self._batches[b_pad].sequences = tuple(live)
-        graph = self.graphs.get(b_pad)
-        if graph is not None:
-            graph.replay()
-            return self._graph_logits[b_pad][:b].clone()  # the next replay overwrites the output
-        return self._forward(b_pad, static=self.check_graph_safe)[:b]
+        batch = self._batches[b_pad]
+        batch.sequences = tuple(live)
+        try:
+            graph = self.graphs.get(b_pad)
+            if graph is not None:
+                with torch.cuda.device(self.input_ids.device):
+                    graph.replay()
+                return self._graph_logits[b_pad][:b].clone()  # the next replay overwrites the output
+            return self._forward(b_pad, static=self.check_graph_safe)[:b]
+        finally:
+            batch.sequences = ()  # no reference to finished sequences between steps
 
     def _check_pages(self, tables: list[list[list[int]]], positions: list[int]) -> None:
         """What the kernels' launchers check on device values, checked on the host (a replay runs
@@ -271,20 +289,23 @@ class DecodeRunner:
             RuntimeError: not on CUDA; :class:`~engine.runtime.cuda_graphs.HostSyncError` or a
                 CUDA capture error when the forward is not capturable.
         """
-        if self.input_ids.device.type != "cuda":
+        device = self.input_ids.device
+        if device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
-        pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.sizes, reverse=True):
-            self._fill_padding(size)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(size, static=True)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._graph_logits[size] = self._forward(size, static=True)
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        with torch.cuda.device(device):  # streams and the capture on the model's GPU, not cuda:0
+            pool = torch.cuda.graph_pool_handle()
+            capture_stream = torch.cuda.Stream(device)
+            for size in sorted(self.sizes, reverse=True):
+                self._fill_padding(size)
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._forward(size, static=True)
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                    self._graph_logits[size] = self._forward(size, static=True)
+                self.graphs[size] = graph
+            torch.cuda.synchronize(device)
         log.info("captured CUDA graphs for decode batch sizes %s", ", ".join(map(str, self.sizes)))

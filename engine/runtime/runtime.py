@@ -130,10 +130,10 @@ class Runtime:
         config: the scheduler's limits.
         static_decode: decode through the :class:`~engine.runtime.model_runner.DecodeRunner`
             (persistent buffers, padded batches, decode slots); None: whenever the model has the
-            batched decode path (not yet for DeepSeek-V4 attention layers).
+            batched decode path (not yet the ``deepseek_v4`` family).
         decode_batch_sizes: the runner's padded sizes (default: its own list).
-        cuda_graphs: the runner's ``cuda_graphs`` (None: captured on CUDA when the model allows;
-            False: vLLM's ``enforce_eager``).
+        cuda_graphs: the runner's ``cuda_graphs`` (None: captured on CUDA with the Triton
+            backend when the model allows; False: vLLM's ``enforce_eager``).
         check_graph_safe: the runner's ``check_graph_safe`` (tests).
 
     Raises:

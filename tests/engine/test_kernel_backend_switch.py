@@ -53,8 +53,11 @@ def test_the_switch_reaches_every_mixer_of_each_family() -> None:
     for model in ("kvscope_hybrid-tiny", "qwen3_next-tiny", "deepseek_v4-tiny"):
         llm = LLM(model, device="cpu", kernel_backend="torch")
         kinds = llm.layout.layer_types
-        # one per mixer, plus the compressors of CSA (KV and indexer) and HCA (KV) layers
-        count = len(kinds) + 2 * kinds.count("compressed_sparse_attention") + kinds.count("heavily_compressed_attention")
+        # one per mixer, plus the compressors of CSA (KV and indexer) and HCA (KV) layers, plus
+        # every sparse MoE block (Qwen3-Next's routed experts)
+        moe = sum(1 for m in llm.model.modules() if type(m).__name__ == "Qwen3NextSparseMoe")
+        assert moe == (len(kinds) if model == "qwen3_next-tiny" else 0)
+        count = len(kinds) + 2 * kinds.count("compressed_sparse_attention") + kinds.count("heavily_compressed_attention") + moe
         assert count > len(kinds) or model == "qwen3_next-tiny"
         reached = set_kernel_backend(llm.model, "torch")
         assert reached == count, (model, reached, kinds)

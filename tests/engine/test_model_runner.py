@@ -5,22 +5,21 @@ capture (checked on CPU by running it as a capture would)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import engine.model.decode_batch
-from engine.config import HybridConfig
 from engine.llm import LLM
 from engine.runtime import Runtime, SchedulerConfig
 from engine.runtime.cuda_graphs import HostSyncError, forbid_host_sync, graph_unsafe_reason
 from engine.runtime.model_runner import DecodeRunner, supports_static_decode
 from engine.sampling import SamplingParams
 from kernels.launch import graph_safe, static_launches
-from tests.helpers import TOLERANCE, assert_no_leases, qwen3_next_dense, tokens
+from tests.helpers import NO_COMPRESSED, TOLERANCE, assert_no_leases, qwen3_next_dense, tokens
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
-NO_COMPRESSED = HybridConfig(layer_types=("linear_attention", "sliding_attention", "full_attention", "linear_attention"), sliding_window=24)
-"""A kvscope_hybrid with every kind the runner batches: linear, sliding and full layers."""
 
 
 def models() -> list[object]:
@@ -124,6 +123,10 @@ def test_the_capture_check_catches_what_a_graph_cannot_hold() -> None:
         "unique": lambda: torch.unique(ids),
         "tensor": lambda: torch.tensor([1.0, 2.0]),
         "repeat_interleave": lambda: torch.repeat_interleave(x, torch.ones(6, dtype=torch.long)),
+        "where": lambda: torch.where(x > 2),
+        "equal": lambda: torch.equal(x, x),
+        "is_nonzero": lambda: x[0].is_nonzero(),
+        "Python list": lambda: x[[0, 2]],
     }
     for name, op in forbidden.items():
         with forbid_host_sync(), pytest.raises(HostSyncError, match=name):
@@ -133,7 +136,11 @@ def test_the_capture_check_catches_what_a_graph_cannot_hold() -> None:
         y[ids] = x[ids] * 2
         y.index_put_((ids,), torch.zeros(3))
         torch.arange(4) + x[:4].repeat_interleave(1)
-    assert y.tolist() == [0.0, 1.0, 0.0, 3.0, 0.0, 5.0]
+        torch.repeat_interleave(x, torch.ones(6, dtype=torch.long), output_size=6)
+        y[y > 4] = 0.0  # masked_fill_
+        torch.as_tensor(y)
+        torch.where(x > 2, x, y)
+    assert y.tolist() == [0.0, 1.0, 0.0, 3.0, 0.0, 0.0]
 
 
 def test_an_uncapturable_decode_step_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,6 +188,43 @@ def test_block_tables_are_checked_on_the_host_before_a_step() -> None:
     runner._check_pages([[[1, 2]] for _ in runner.forms], [unit])
 
 
+class RecordedGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on CPU: "capturing" keeps the forward to rerun on
+    the same buffers, and each replay reruns it into the same output tensor."""
+
+    def __init__(self, runner: DecodeRunner, size: int) -> None:
+        self.runner, self.size, self.replays = runner, size, 0
+        runner._graph_logits[size] = runner._forward(size, static=True)
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.runner._graph_logits[self.size].copy_(self.runner._forward(self.size, static=True))
+
+
+def test_a_replayed_step_reads_the_filled_buffers_and_returns_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay branch of ``run``: the graph of the padded size replays over the buffers the
+    step filled, and the logits handed back are a copy the next replay cannot overwrite."""
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    prompts = [tokens(40 + 9 * i, 60 + i) for i in range(3)]
+    want = LLM(NO_COMPRESSED, device="cpu").generate(prompts, PARAMS)
+    llm = LLM(NO_COMPRESSED, device="cpu", check_invariants=True)
+    runtime = Runtime(llm, SchedulerConfig(max_num_seqs=4), decode_batch_sizes=(2, 4))
+    runner = runtime.decode_runner
+    assert runner is not None
+    graphs = {size: RecordedGraph(runner, size) for size in runner.sizes}
+    runner.graphs.update(graphs)  # type: ignore[arg-type]
+    added = [runtime.add_request(p, PARAMS, keep_logits=True) for p in prompts]
+    runtime.run()
+    assert all(g.replays for g in graphs.values())  # batches of 3 and of 1 live rows (padded to 4, 2)
+    assert [r.output_token_ids for r in added] == [o.output_token_ids for o in want]
+    outputs = [row for r in added for row in r.sampled_logits]
+    assert all(row.data_ptr() != runner._graph_logits[s].data_ptr() for row in outputs for s in runner.sizes)
+    for r in added:
+        for i, row in enumerate(r.sampled_logits):
+            cold = llm.prefill_logits(r.prompt_token_ids + r.output_token_ids[:i])[-1]
+            assert (row - cold).abs().max().item() <= TOLERANCE[torch.float32]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on CPU the capture check above stands in)")
 def test_cuda_graphs_replay_the_eager_decode_step() -> None:
@@ -204,4 +248,6 @@ def test_cuda_graphs_replay_the_eager_decode_step() -> None:
         assert eager.output_token_ids == replayed.output_token_ids
         for a, b in zip(eager.sampled_logits, replayed.sampled_logits, strict=True):
             assert (a - b).abs().max().item() <= TOLERANCE[torch.float32]
-    assert Runtime(LLM("qwen3_next-tiny", device="cuda")).decode_runner.graphs == {}  # type: ignore[union-attr]
+    moe = LLM("qwen3_next-tiny", device="cuda", kernel_backend="torch")
+    assert Runtime(moe).decode_runner.graphs == {}  # type: ignore[union-attr]  # torch MoE: eager
+    moe.close()

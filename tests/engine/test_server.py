@@ -188,9 +188,12 @@ def test_a_client_gone_mid_stream_frees_its_request(served: Served) -> None:
     assert ended and ended[-1].output_tokens < 200  # aborted, not run to max_tokens
     metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
     assert "kvscope_server_requests_total" in metrics and "kvscope_server_time_to_first_token_seconds_bucket" in metrics
+    served.runtime.num_preemptions += 3  # read at scrape time
+    metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
+    served.runtime.num_preemptions -= 3
     families = {f.name: f for f in text_string_to_metric_families(metrics)}
     preemptions = families["kvscope_server_preemptions"]
-    assert preemptions.type == "counter" and preemptions.samples[0].value == served.runtime.num_preemptions
+    assert preemptions.type == "counter" and preemptions.samples[0].value == served.runtime.num_preemptions + 3
 
 
 def test_thirty_two_weka_sessions_replayed_through_the_server(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kernels.compressor
+import kernels.fused_moe
 import kernels.gated_delta_rule
 import kernels.indexer_topk
 import kernels.paged_decode_attention
@@ -21,7 +22,7 @@ import kernels.paged_prefill_attention
 import kernels.sparse_compressed_attention
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from tests.helpers import BACKEND_PARITY, TOLERANCE, qwen3_next_dense
+from tests.helpers import BACKEND_PARITY, NO_COMPRESSED, TOLERANCE, qwen3_next_dense
 
 LAUNCHERS = [
     (kernels.paged_prefill_attention, "paged_prefill_attention"),
@@ -32,15 +33,17 @@ LAUNCHERS = [
     (kernels.compressor, "compress_pool"),
     (kernels.indexer_topk, "indexer_topk"),
     (kernels.sparse_compressed_attention, "sparse_compressed_attention"),
+    (kernels.fused_moe, "fused_moe"),
 ]
 USES = {
-    "kvscope_hybrid-tiny": {name for _, name in LAUNCHERS},  # linear, sliding, CSA, full and HCA layers
+    "kvscope_hybrid-tiny": {name for _, name in LAUNCHERS} - {"fused_moe"},  # linear, sliding, CSA, full and HCA layers
     "qwen3_next-tiny": {
         "paged_prefill_attention",
         "paged_decode_attention",
         "chunk_gated_delta_rule",
         "fused_recurrent_gated_delta_rule",
         "causal_conv1d_update",
+        "fused_moe",
     },
     "deepseek_v4-tiny": {"compress_pool", "indexer_topk", "sparse_compressed_attention"},
 }
@@ -162,24 +165,28 @@ def test_the_indexer_choice_is_the_same_on_both_sides_of_the_kernel_sort_limit(
     assert launches["indexer_topk"] == (1 if max_keys is None else 0)
 
 
-@pytest.mark.parametrize("model", ["qwen3_next-tiny", "qwen3_next-dense", "kvscope_hybrid-tiny"])
+@pytest.mark.parametrize("model", ["qwen3_next-tiny", "qwen3_next-dense", "kvscope_hybrid-tiny", "hybrid-linear-sliding-full"])
 def test_the_runtime_decodes_through_the_kernels_in_padded_batches(model: str, device: str, launches: Counter[str]) -> None:
     """The runtime's static decode batches (padded to 4, decode slots) on the Triton backend give
-    the torch backend's logits. Without the MoE, the Triton steps run as a CUDA graph capture
-    records them (launchers without host reads, checked by ``forbid_host_sync``); on CUDA they
-    are captured graphs, replayed."""
+    the torch backend's logits. Besides DeepSeek-V4's per-row layers, the Triton steps run as a
+    CUDA graph capture records them (launchers without host reads, the MoE through ``fused_moe``,
+    checked by ``forbid_host_sync``); on CUDA they are captured graphs, replayed."""
     from engine.runtime import Runtime, SchedulerConfig
+    from engine.runtime.cuda_graphs import graph_unsafe_reason
 
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (40 + 7 * i,), generator=gen).tolist() for i in range(3)]
     params = SamplingParams(max_tokens=4, temperature=0.0)
     rows: dict[str, list[torch.Tensor]] = {}
     for backend in ("torch", "triton"):
-        llm = LLM(qwen3_next_dense() if model == "qwen3_next-dense" else model, device=device, kernel_backend=backend, check_invariants=True)
-        dense = model == "qwen3_next-dense"
-        runtime = Runtime(llm, SchedulerConfig(max_num_seqs=4), decode_batch_sizes=(4,), check_graph_safe=dense and backend == "triton")
+        configs = {"qwen3_next-dense": qwen3_next_dense(), "hybrid-linear-sliding-full": NO_COMPRESSED}
+        llm = LLM(configs.get(model, model), device=device, kernel_backend=backend, check_invariants=True)
+        capturable = graph_unsafe_reason(llm.model) is None
+        # through the kernels, Qwen3-Next's MoE too (fused_moe); on torch, only without the MoE
+        assert capturable == (model in configs or (backend == "triton" and model == "qwen3_next-tiny"))
+        runtime = Runtime(llm, SchedulerConfig(max_num_seqs=4), decode_batch_sizes=(4,), check_graph_safe=capturable and backend == "triton")
         assert runtime.decode_runner is not None
-        assert bool(runtime.decode_runner.graphs) == (dense and device == "cuda")
+        assert bool(runtime.decode_runner.graphs) == (capturable and device == "cuda")
         added = [runtime.add_request(p, params, keep_logits=True) for p in prompts]
         runtime.run()
         rows[backend] = [row for r in added for row in r.sampled_logits]
