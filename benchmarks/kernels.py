@@ -285,7 +285,36 @@ def cases(device: torch.device, smoke: bool) -> list[Case]:
         lambda: causal_conv1d_update(x, weight, scratch_state), torch_conv, "a vectorised torch step",
         bytes_moved=b * c * 2 * (1 + 2 * (width - 1) + 1), check=lambda: causal_conv1d_update(x, weight, conv_state.clone()),
     ))  # fmt: skip
+
+    out.append(moe_case(device, smoke, g, randn))
     return out
+
+
+def moe_case(device: torch.device, smoke: bool, g: torch.Generator, randn: Callable[..., torch.Tensor]) -> Case:
+    """Fused MoE: a decode batch of T tokens routed to k of E SwiGLU experts (Qwen3-Next's
+    shape); torch: the engine's experts (one product per chosen expert over its tokens)."""
+    from engine.model.qwen3_next_moe import Qwen3NextExperts
+    from kernels.fused_moe import fused_moe
+
+    t, k, e, c, i = (5, 2, 4, 64, 32) if smoke else (64, 10, 512, 2048, 512)
+    x = randn(t, c)
+    experts = Qwen3NextExperts(e, c, i).to(device=device, dtype=torch.float16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(randn(e, 2 * i, c, scale=0.05))
+        experts.down_proj.copy_(randn(e, c, i, scale=0.05))
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
+    weights = torch.rand((t, k), generator=g).to(torch.float16).to(device)
+    chosen = int(ids.unique().numel())
+
+    def torch_moe() -> torch.Tensor:
+        with torch.no_grad():
+            return experts(x, ids, weights)
+
+    return Case(
+        "fused_moe", {"tokens": t, "top_k": k, "experts": e, "hidden": c, "intermediate": i},
+        lambda: fused_moe(x, experts.gate_up_proj.detach(), experts.down_proj.detach(), ids, weights), torch_moe,
+        "the engine's torch experts (per chosen expert)", bytes_moved=chosen * 3 * i * c * 2,  # decode: the weights read
+    )  # fmt: skip
 
 
 def chunk_flops(c: int, dk: int, dv: int) -> int:

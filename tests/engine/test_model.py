@@ -91,3 +91,26 @@ def test_attention_mask_window() -> None:
     assert m[1].nonzero().flatten().tolist() == list(range(38, 102))
     full = attention_mask(q, k, window=None)
     assert full[0].sum() == 101 and full[1].sum() == 102
+
+
+def test_packed_experts_keep_the_checkpoint_layout() -> None:
+    """Qwen3-Next's experts live packed (``gate_up_proj [E, 2I, C]``, ``down_proj [E, C, I]``) but
+    save and load as ``{e}.{gate,up,down}_proj.weight``; strict loading names what is missing or
+    extra."""
+    from engine.model.qwen3_next_moe import Qwen3NextExperts
+
+    experts = Qwen3NextExperts(3, 8, 4)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.arange(3 * 8 * 8, dtype=torch.float32).view(3, 8, 8))
+        experts.down_proj.copy_(-torch.arange(3 * 8 * 4, dtype=torch.float32).view(3, 8, 4))
+    state = experts.state_dict()
+    assert sorted(state) == sorted(f"{e}.{n}.weight" for e in range(3) for n in ("gate_proj", "up_proj", "down_proj"))
+    assert torch.equal(state["1.up_proj.weight"], experts.gate_up_proj[1, 4:]) and state["2.down_proj.weight"].shape == (8, 4)
+    again = Qwen3NextExperts(3, 8, 4)
+    again.load_state_dict({k: v.clone() for k, v in state.items()})
+    assert torch.equal(again.gate_up_proj, experts.gate_up_proj) and torch.equal(again.down_proj, experts.down_proj)
+    broken = {k: v for k, v in state.items() if k != "0.gate_proj.weight"} | {"3.up_proj.weight": torch.zeros(4, 8)}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*0\.gate_proj\.weight(?s:.*)Unexpected key\(s\).*3\.up_proj\.weight"):
+        again.load_state_dict(broken)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 1\.down_proj\.weight"):
+        again.load_state_dict(state | {"1.down_proj.weight": torch.zeros(4, 8)})

@@ -16,7 +16,7 @@ from tests.helpers import TOLERANCE
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {
     "kv_block_copy", "paged_decode_attention", "paged_prefill_attention", "compressor", "indexer_topk",
-    "sparse_compressed_attention", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "causal_conv1d_update",
+    "sparse_compressed_attention", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "causal_conv1d_update", "fused_moe",
 }  # fmt: skip
 
 
