@@ -3,8 +3,10 @@ batches padded to fixed sizes, and one CUDA graph per padded size (vLLM's ``GPUM
 persistent batch and ``CUDAGraphRunner``, SGLang's ``CudaGraphRunner``).
 
 Buffers are allocated once, for the largest batch size, and never reallocated: each step fills a
-prefix ``[:B_pad]`` of them in place (``copy_``), so every tensor the forward reads keeps its
-address from step to step. On CUDA (unless ``cuda_graphs=False``) the runner captures the
+prefix ``[:B_pad]`` of them in place, so every tensor the forward reads keeps its address from
+step to step. On CUDA the host writes the step's inputs into pinned mirrors and uploads them
+without blocking (``copy_(non_blocking=True)``, then an event the next step waits on before
+reusing the mirrors). On CUDA (unless ``cuda_graphs=False``) the runner captures the
 forward once per padded size at start, on buffers filled with padding, and each step only fills
 the buffers and replays the graph of its size. On CPU the same static-buffer path runs eagerly;
 with ``check_graph_safe`` it runs exactly what a capture would record (the kernels' launchers
@@ -114,6 +116,9 @@ class DecodeRunner:
         self.recurrent = {layer: torch.zeros((num_slots, *rec), dtype=torch.float32, device=device) for layer, (_, rec) in shapes.items()}
         self._free = list(range(num_slots - 1, 0, -1))
         self._batches = {size: self._batch(size) for size in self.sizes}
+        cuda = device.type == "cuda"
+        self._host = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self._inputs().items()} if cuda else {}
+        self._uploaded: torch.cuda.Event | None = None
         self.check_graph_safe = check_graph_safe
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         """The captured graph of each padded size (empty when running eagerly)."""
@@ -207,17 +212,19 @@ class DecodeRunner:
                 tables[i].append(seq.tables[form])
         self._check_pages(tables, positions)
         pad = b_pad - b
-        self.input_ids[:b_pad].copy_(torch.tensor(ids + [0] * pad))
-        self.positions[:b_pad].copy_(torch.tensor(positions + [0] * pad))
-        self.slot_ids[:b_pad].copy_(torch.tensor(slots + [0] * pad))
+        host = self._staging()
+        host["input_ids"][:b_pad] = torch.tensor(ids + [0] * pad)
+        host["positions"][:b_pad] = torch.tensor(positions + [0] * pad)
+        host["slot_ids"][:b_pad] = torch.tensor(slots + [0] * pad)
         for i in range(len(self.forms)):
-            table = torch.zeros((b_pad, self.max_pages), dtype=torch.int32)
+            table = host[f"block_tables.{i}"]
+            table[:b_pad].zero_()
             for r, row in enumerate(tables[i]):
                 table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
-            self.block_tables[i][:b_pad].copy_(table)
-            self.seq_lens[i][:b_pad].copy_(torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32))
-            self.write_pages[i][:b_pad].copy_(torch.tensor([tables[i][r][p // self.unit] for r, p in enumerate(positions)] + [0] * pad))
-            self.write_offsets[i][:b_pad].copy_(torch.tensor([p % self.unit for p in positions] + [0] * pad))
+            host[f"seq_lens.{i}"][:b_pad] = torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32)
+            host[f"write_pages.{i}"][:b_pad] = torch.tensor([tables[i][r][p // self.unit] for r, p in enumerate(positions)] + [0] * pad)
+            host[f"write_offsets.{i}"][:b_pad] = torch.tensor([p % self.unit for p in positions] + [0] * pad)
+        self._upload(b_pad)
         live = []
         for seq, _ in rows:
             if seq.chunk_positions is None:
@@ -234,6 +241,35 @@ class DecodeRunner:
             return self._forward(b_pad, static=self.check_graph_safe)[:b]
         finally:
             batch.sequences = ()  # no reference to finished sequences between steps
+
+    def _inputs(self) -> dict[str, Tensor]:
+        """The buffers each step fills, by name."""
+        named = {"input_ids": self.input_ids, "positions": self.positions, "slot_ids": self.slot_ids}
+        for i in range(len(self.forms)):
+            named |= {
+                f"block_tables.{i}": self.block_tables[i], f"seq_lens.{i}": self.seq_lens[i],
+                f"write_pages.{i}": self.write_pages[i], f"write_offsets.{i}": self.write_offsets[i],
+            }  # fmt: skip
+        return named
+
+    def _staging(self) -> dict[str, Tensor]:
+        """Where the host writes a step's inputs: on CUDA pinned host mirrors of the buffers (the
+        previous step's uploads from them waited for first), elsewhere the buffers themselves."""
+        if self.input_ids.device.type != "cuda":
+            return self._inputs()
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the mirrors are free again
+        return self._host
+
+    def _upload(self, rows: int) -> None:
+        """Copy the first ``rows`` rows of every pinned mirror to its buffer without blocking the
+        host (one event marks the end); nothing to do off CUDA."""
+        if self.input_ids.device.type != "cuda":
+            return
+        for name, buffer in self._inputs().items():
+            buffer[:rows].copy_(self._host[name][:rows], non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record(torch.cuda.current_stream(self.input_ids.device))
 
     def _check_pages(self, tables: list[list[list[int]]], positions: list[int]) -> None:
         """What the kernels' launchers check on device values, checked on the host (a replay runs
