@@ -197,6 +197,12 @@ def _tokenizer(path: Path, config: Any) -> Tokenizer:
     return ByteTokenizer()
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy when it is a view into a larger storage (packed parameters such as
+    Qwen3-Next's experts save as slices of one tensor, which safetensors refuses)."""
+    return t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
+
+
 def save_directory(model: nn.Module, config_dict: Mapping[str, Any], path: Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` (float32) for ``model``."""
     from safetensors.torch import save_file
@@ -204,6 +210,5 @@ def save_directory(model: nn.Module, config_dict: Mapping[str, Any], path: Path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(dict(config_dict), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     aliases = getattr(model, "tied_weights", {})
-    # clone: packed parameters (Qwen3-Next's experts) save as views of one storage, which safetensors refuses
-    tensors = {k: v.detach().to(torch.float32).cpu().clone() for k, v in model.state_dict().items() if k not in aliases}
+    tensors = {k: _own_storage(v.detach().to(torch.float32).cpu()) for k, v in model.state_dict().items() if k not in aliases}
     save_file(tensors, str(path / "model.safetensors"))

@@ -13,11 +13,13 @@ rows) and ``down [E, C, I]``::
 
 :func:`moe_align` sorts the ``P = T k`` pairs (pair ``p`` is token ``p // k``'s choice ``p % k``)
 stably by expert and pads each expert's run to a multiple of ``BLOCK_M``; the padded list has at
-most ``P + E (BLOCK_M - 1)`` rows whatever the choice, which fixes the grid. Its slots beyond an
+most ``P + min(E, P) (BLOCK_M - 1)`` rows whatever the choice (at most ``min(E, P)`` experts
+have pairs), which fixes the grid. Its slots beyond an
 expert's pairs hold ``P`` (no pair), and blocks beyond the last expert's hold expert ``-1`` and
 do nothing. The first product writes ``h [P, I] = silu(x A_g^T) * (x A_u^T)`` per pair, the second
 ``y [P, C] = w_p (h D^T)``; the ``k`` rows of each token are then summed. Products accumulate in
-fp32 (``ieee``) whatever the input dtype.
+fp32: fp16 / bf16 tiles go to the tensor cores as they are, fp32 tiles in full precision
+(``ieee``).
 """
 
 from __future__ import annotations
@@ -43,12 +45,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) 
 
     Returns:
         ``(sorted_pairs [R] int32, block_expert [R / block_m] int32)`` with ``R = block_m ·
-        ceil((P + E (block_m − 1)) / block_m)``: the pair index in each padded row (``P`` for
+        ceil((P + min(E, P) (block_m − 1)) / block_m)``: the pair index in each padded row (``P`` for
         padding) and each block's expert (``-1`` past the last expert's blocks).
     """
     pairs = topk_ids.numel()
     device = topk_ids.device
-    rows = block_m * triton.cdiv(pairs + num_experts * (block_m - 1), block_m)
+    rows = block_m * triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)  # at most min(E, P) experts are used
     flat = topk_ids.reshape(-1).long()
     experts, order = torch.sort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -66,11 +68,20 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) 
 
 
 @triton.jit
+def _dot(a, w, acc, FP32: tl.constexpr):
+    """``acc + a wᵀ`` accumulated in fp32: fp16 / bf16 tiles on the tensor cores as they are
+    (their products are exact in fp32), fp32 tiles in full precision."""
+    if FP32:
+        return acc + tl.dot(a, tl.trans(w), input_precision="ieee")
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, route_ptr,
     num_pairs, n_out, k_in, s_a, s_we, s_wn, s_out,
     PAIRS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     i_b = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -89,12 +100,12 @@ def _moe_gemm_kernel(
     for k0 in range(0, k_in, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < k_in
-        b_a = tl.load(a_ptr + a_row[:, None] * s_a + o_k[None, :], mask=m_pair[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_w = tl.load(w_expert + o_n[:, None] * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(b_a, tl.trans(b_w), input_precision="ieee")
+        b_a = tl.load(a_ptr + a_row[:, None] * s_a + o_k[None, :], mask=m_pair[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(w_expert + o_n[:, None] * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        acc = _dot(b_a, b_w, acc, FP32)
         if GATED:  # the up rows sit n_out rows below the gate rows
-            b_u = tl.load(w_expert + (o_n[:, None] + n_out) * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            acc_up += tl.dot(b_a, tl.trans(b_u), input_precision="ieee")
+            b_u = tl.load(w_expert + (o_n[:, None] + n_out) * s_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+            acc_up = _dot(b_a, b_u, acc_up, FP32)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if ROUTED:
@@ -148,14 +159,14 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_i
     h = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(block_expert.shape[0], triton.cdiv(i, BLOCK_N))](
         x, gate_up, h, sorted_pairs, block_expert, route, pairs, i, c, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        PAIRS_PER_A_ROW=k, GATED=True, ROUTED=False, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        PAIRS_PER_A_ROW=k, GATED=True, ROUTED=False, FP32=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
     )  # fmt: skip
     y = torch.empty((pairs, c), dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(block_expert.shape[0], triton.cdiv(c, BLOCK_N))](
         h, down, y, sorted_pairs, block_expert, route, pairs, c, i, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        PAIRS_PER_A_ROW=1, GATED=False, ROUTED=True, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        PAIRS_PER_A_ROW=1, GATED=False, ROUTED=True, FP32=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
     )  # fmt: skip
-    return y.view(t, k, c).float().sum(1).to(x.dtype)
+    return y.view(t, k, c).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -228,4 +228,4 @@ def fused_moe(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_w
     [T, k]`` → ``[T, C]`` in x's dtype."""
     from kernels.fused_moe import fused_moe as moe
 
-    return moe(x.contiguous(), gate_up.to(x.dtype).contiguous(), down.to(x.dtype).contiguous(), topk_ids, topk_weights)
+    return moe(x.contiguous(), gate_up, down, topk_ids, topk_weights)  # weights as they are: no per-step copy

@@ -23,7 +23,9 @@ class Qwen3NextExperts(nn.Module):
     (each expert's gate rows, then its up rows) and ``down_proj [E, C, I]``, so one kernel can
     address every expert (:func:`kernels.fused_moe.fused_moe`). Checkpoints keep the Qwen3-Next
     layout, ``experts.{e}.{gate_proj,up_proj}.weight [I, C]`` and ``experts.{e}.down_proj.weight
-    [C, I]``: ``state_dict`` and ``load_state_dict`` convert (as transformers does on save and load).
+    [C, I]``: ``state_dict`` (whose entries are slices of the packed tensors, also with
+    ``keep_vars``) and ``load_state_dict`` (``assign=True`` included) convert, as transformers
+    does on save and load.
 
     forward: ``x [T, C]``, ``expert_ids [T, k]`` (distinct per token), ``weights [T, k]`` →
     ``Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)`` as ``[T, C]``, accumulated in ascending expert
@@ -62,20 +64,45 @@ class Qwen3NextExperts(nn.Module):
         self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
         missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
     ) -> None:  # fmt: skip
-        mine = set()
+        for hook in self._load_state_dict_pre_hooks.values():  # as nn.Module's own loader does
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if local_metadata.get("assign_to_params_buffers", False):  # load_state_dict(assign=True)
+            self._assign(state_dict, prefix, missing_keys, error_msgs)
+        else:
+            self._copy_in(state_dict, prefix, missing_keys, error_msgs)
+        if strict:
+            mine = {f"{prefix}{e}.{name}.weight" for e in range(self.num_experts) for name in ("gate_proj", "up_proj", "down_proj")}
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in mine)
+
+    def _assign(self, state_dict: dict[str, Any], prefix: str, missing_keys: list[str], error_msgs: list[str]) -> None:
+        """``assign=True``: the packed parameters become new tensors stacked from the
+        checkpoint's (taking their dtype and device), when every expert's three are there."""
+        parts: dict[str, list[Tensor]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+        for e in range(self.num_experts):
+            for name, view in self.expert(e).items():
+                key = f"{prefix}{e}.{name}.weight"
+                if key not in state_dict:
+                    missing_keys.append(key)
+                elif tuple(state_dict[key].shape) != tuple(view.shape):
+                    error_msgs.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)} in the checkpoint, {tuple(view.shape)} here")
+                else:
+                    parts[name].append(state_dict[key])
+        if all(len(p) == self.num_experts for p in parts.values()):
+            gate_up = torch.stack([torch.cat((g, u)) for g, u in zip(parts["gate_proj"], parts["up_proj"], strict=True)])
+            self.gate_up_proj = nn.Parameter(gate_up, requires_grad=self.gate_up_proj.requires_grad)
+            self.down_proj = nn.Parameter(torch.stack(parts["down_proj"]), requires_grad=self.down_proj.requires_grad)
+
+    def _copy_in(self, state_dict: dict[str, Any], prefix: str, missing_keys: list[str], error_msgs: list[str]) -> None:
         with torch.no_grad():
             for e in range(self.num_experts):
                 for name, view in self.expert(e).items():
                     key = f"{prefix}{e}.{name}.weight"
-                    mine.add(key)
                     if key not in state_dict:
                         missing_keys.append(key)
                     elif tuple(state_dict[key].shape) != tuple(view.shape):
                         error_msgs.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)} in the checkpoint, {tuple(view.shape)} here")
                     else:
                         view.copy_(state_dict[key])
-        if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in mine)
 
 
 class Qwen3NextSparseMoe(nn.Module):

@@ -58,7 +58,7 @@ def test_the_switch_reaches_every_mixer_of_each_family() -> None:
         moe = sum(1 for m in llm.model.modules() if type(m).__name__ == "Qwen3NextSparseMoe")
         assert moe == (len(kinds) if model == "qwen3_next-tiny" else 0)
         count = len(kinds) + 2 * kinds.count("compressed_sparse_attention") + kinds.count("heavily_compressed_attention") + moe
-        assert count > len(kinds) or model == "qwen3_next-tiny"
+        assert count > len(kinds)  # compressors or MoE blocks besides the mixers
         reached = set_kernel_backend(llm.model, "torch")
         assert reached == count, (model, reached, kinds)
         assert {m.kernel_backend for m in llm.model.modules() if hasattr(m, "kernel_backend")} == {"torch"}

@@ -114,3 +114,8 @@ def test_packed_experts_keep_the_checkpoint_layout() -> None:
         again.load_state_dict(broken)
     with pytest.raises(RuntimeError, match=r"size mismatch for 1\.down_proj\.weight"):
         again.load_state_dict(state | {"1.down_proj.weight": torch.zeros(4, 8)})
+    with torch.device("meta"):
+        lazy = Qwen3NextExperts(3, 8, 4)
+    lazy.load_state_dict({k: v.clone().double() for k, v in state.items()}, assign=True)
+    assert lazy.gate_up_proj.dtype == torch.float64 and torch.equal(lazy.gate_up_proj.float(), experts.gate_up_proj)
+    assert torch.equal(lazy.down_proj.float(), experts.down_proj)

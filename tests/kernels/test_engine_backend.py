@@ -193,6 +193,7 @@ def test_the_runtime_decodes_through_the_kernels_in_padded_batches(model: str, d
     assert launches["paged_decode_attention"] and launches["fused_recurrent_gated_delta_rule"] and launches["causal_conv1d_update"]
     if model == "kvscope_hybrid-tiny":  # its DeepSeek-V4 layers (prefill, and per row in the decode batches)
         assert launches["sparse_compressed_attention"]
+    assert bool(launches["fused_moe"]) == (model == "qwen3_next-tiny")
     for a, b in zip(rows["torch"], rows["triton"], strict=True):
         assert (a - b).abs().max().item() <= BACKEND_PARITY
 
