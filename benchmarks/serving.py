@@ -14,13 +14,18 @@ Reported per setting: output and total tokens per second, TTFT p50 / p99 (client
 first streamed chunk), the cached share of prompt tokens; and per session count the ratios
 batching on / off. Prints one JSON object; progress on stderr.
 
-Run: ``python -m benchmarks.serving [--model M] [--turns T] [--max-output-tokens N]``.
+``--output-tokens N`` makes every answer exactly N tokens instead of the trace's (scaled) output
+lengths, which with one prompt token per block are a few tokens each: a decode-heavy run, where
+batched decode steps show.
+
+Run: ``python -m benchmarks.serving [--model M] [--turns T] [--max-output-tokens N] [--output-tokens N]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -69,9 +74,14 @@ def main() -> None:
     parser.add_argument("--max-output-tokens", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--sessions", default="1,8,32", help="session counts (default: %(default)s)")
+    parser.add_argument("--output-tokens", type=int, default=None, help="every answer exactly this many tokens (default: the trace's, capped)")
     args = parser.parse_args()
     trace = load_trace(WEKA_SLICE)
-    config = ReplayConfig(block_tokens=1, speed=1e9, max_wait_seconds=0.0, max_output_tokens=args.max_output_tokens)
+    cap = args.max_output_tokens
+    if args.output_tokens is not None:  # the replay decodes ceil(output_tokens / block_tokens) at one token per block
+        trace = [dataclasses.replace(r, output_tokens=args.output_tokens * r.block_tokens) for r in trace]
+        cap = args.output_tokens
+    config = ReplayConfig(block_tokens=1, speed=1e9, max_wait_seconds=0.0, max_output_tokens=cap)
     results = []
     ratios: dict[str, dict[str, float | None]] = {}
     for n in (int(x) for x in args.sessions.split(",")):
@@ -87,7 +97,7 @@ def main() -> None:
             "ttft_p50_on_over_off": on["ttft_p50_seconds"] / off["ttft_p50_seconds"] if off["ttft_p50_seconds"] else None,
             "ttft_p99_on_over_off": on["ttft_p99_seconds"] / off["ttft_p99_seconds"] if off["ttft_p99_seconds"] else None,
         }
-    print(json.dumps({"benchmark": "serving", "model": args.model, "turns": args.turns, "max_output_tokens": args.max_output_tokens, "results": results, "ratios": ratios}))
+    print(json.dumps({"benchmark": "serving", "model": args.model, "turns": args.turns, "max_output_tokens": cap, "output_tokens": args.output_tokens, "results": results, "ratios": ratios}))
 
 
 if __name__ == "__main__":
