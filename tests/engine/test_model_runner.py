@@ -251,3 +251,6 @@ def test_cuda_graphs_replay_the_eager_decode_step() -> None:
     moe = LLM("qwen3_next-tiny", device="cuda", kernel_backend="torch")
     assert Runtime(moe).decode_runner.graphs == {}  # type: ignore[union-attr]  # torch MoE: eager
     moe.close()
+    fused = LLM("qwen3_next-tiny", device="cuda")  # the kernels: fused_moe is capturable
+    assert Runtime(fused).decode_runner.graphs  # type: ignore[union-attr]
+    fused.close()
