@@ -74,8 +74,10 @@ def main() -> None:
     parser.add_argument("--max-output-tokens", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--sessions", default="1,8,32", help="session counts (default: %(default)s)")
-    parser.add_argument("--output-tokens", type=int, default=None, help="every answer exactly this many tokens (default: the trace's, capped)")
+    parser.add_argument("--output-tokens", type=int, default=None, help="every answer exactly this many tokens, replacing --max-output-tokens (default: the trace's, capped)")
     args = parser.parse_args()
+    if args.output_tokens is not None and args.output_tokens < 1:
+        parser.error(f"--output-tokens {args.output_tokens}: must be at least 1")
     trace = load_trace(WEKA_SLICE)
     cap = args.max_output_tokens
     if args.output_tokens is not None:  # the replay decodes ceil(output_tokens / block_tokens) at one token per block

@@ -24,6 +24,8 @@ fp32: fp16 / bf16 tiles go to the tensor cores as they are, fp32 tiles in full p
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -72,7 +74,7 @@ def _dot(a, w, acc, FP32: tl.constexpr):
     """``acc + a wᵀ`` accumulated in fp32: fp16 / bf16 tiles on the tensor cores as they are
     (their products are exact in fp32), fp32 tiles in full precision."""
     if FP32:
-        return acc + tl.dot(a, tl.trans(w), input_precision="ieee")
+        return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     return tl.dot(a, tl.trans(w), acc)
 
 
@@ -155,16 +157,18 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_i
     if pairs == 0:
         return torch.zeros_like(x)
     sorted_pairs, block_expert = moe_align(topk_ids, e)
+    # full-precision dots for fp32, and for bf16 under Triton's interpreter (which multiplies bf16's raw bits)
+    fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
     route = topk_weights.reshape(-1).contiguous()
     h = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(block_expert.shape[0], triton.cdiv(i, BLOCK_N))](
         x, gate_up, h, sorted_pairs, block_expert, route, pairs, i, c, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        PAIRS_PER_A_ROW=k, GATED=True, ROUTED=False, FP32=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        PAIRS_PER_A_ROW=k, GATED=True, ROUTED=False, FP32=fp32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
     )  # fmt: skip
     y = torch.empty((pairs, c), dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(block_expert.shape[0], triton.cdiv(c, BLOCK_N))](
         h, down, y, sorted_pairs, block_expert, route, pairs, c, i, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        PAIRS_PER_A_ROW=1, GATED=False, ROUTED=True, FP32=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        PAIRS_PER_A_ROW=1, GATED=False, ROUTED=True, FP32=fp32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
     )  # fmt: skip
     return y.view(t, k, c).sum(1, dtype=torch.float32).to(x.dtype)
 

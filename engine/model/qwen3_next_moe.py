@@ -91,6 +91,10 @@ class Qwen3NextExperts(nn.Module):
             gate_up = torch.stack([torch.cat((g, u)) for g, u in zip(parts["gate_proj"], parts["up_proj"], strict=True)])
             self.gate_up_proj = nn.Parameter(gate_up, requires_grad=self.gate_up_proj.requires_grad)
             self.down_proj = nn.Parameter(torch.stack(parts["down_proj"]), requires_grad=self.down_proj.requires_grad)
+        elif self.gate_up_proj.is_meta or self.down_proj.is_meta:  # nothing to keep the other experts in
+            error_msgs.append(f"{prefix or 'experts'}: assign=True needs every expert's gate_proj, up_proj and down_proj to build the packed tensors")
+        else:  # some experts: copied into the packed tensors, the others kept
+            self._copy_in(state_dict, prefix, [], error_msgs)
 
     def _copy_in(self, state_dict: dict[str, Any], prefix: str, missing_keys: list[str], error_msgs: list[str]) -> None:
         with torch.no_grad():

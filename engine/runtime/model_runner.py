@@ -6,8 +6,8 @@ Buffers are allocated once, for the largest batch size, and never reallocated: e
 prefix ``[:B_pad]`` of them in place, so every tensor the forward reads keeps its address from
 step to step. On CUDA the host writes the step's inputs into pinned mirrors and uploads them
 without blocking (``copy_(non_blocking=True)``, then an event the next step waits on before
-reusing the mirrors). On CUDA (unless ``cuda_graphs=False``) the runner captures the
-forward once per padded size at start, on buffers filled with padding, and each step only fills
+reusing the mirrors). On CUDA with the kernels (unless ``cuda_graphs=False``), for a model whose
+decode step is capturable, the runner captures the forward once per padded size at start, on buffers filled with padding, and each step only fills
 the buffers and replays the graph of its size. On CPU the same static-buffer path runs eagerly;
 with ``check_graph_safe`` it runs exactly what a capture would record (the kernels' launchers
 without host reads, :mod:`kernels.launch`) under :class:`~engine.runtime.cuda_graphs.forbid_host_sync`,
@@ -268,7 +268,8 @@ class DecodeRunner:
             return
         for name, buffer in self._inputs().items():
             buffer[:rows].copy_(self._host[name][:rows], non_blocking=True)
-        self._uploaded = torch.cuda.Event()
+        if self._uploaded is None:
+            self._uploaded = torch.cuda.Event(blocking=True)  # the host sleeps, not spins, waiting on it
         self._uploaded.record(torch.cuda.current_stream(self.input_ids.device))
 
     def _check_pages(self, tables: list[list[list[int]]], positions: list[int]) -> None:

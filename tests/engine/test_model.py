@@ -119,3 +119,15 @@ def test_packed_experts_keep_the_checkpoint_layout() -> None:
     lazy.load_state_dict({k: v.clone().double() for k, v in state.items()}, assign=True)
     assert lazy.gate_up_proj.dtype == torch.float64 and torch.equal(lazy.gate_up_proj.float(), experts.gate_up_proj)
     assert torch.equal(lazy.down_proj.float(), experts.down_proj)
+    partial = {k: v for k, v in state.items() if k.startswith("0.")}
+    with torch.device("meta"):
+        empty = Qwen3NextExperts(3, 8, 4)
+    with pytest.raises(RuntimeError, match="assign=True needs every expert"):
+        empty.load_state_dict(partial, strict=False, assign=True)
+    kept = Qwen3NextExperts(3, 8, 4)
+    with torch.no_grad():
+        kept.gate_up_proj.zero_()
+        kept.down_proj.zero_()
+    result = kept.load_state_dict({k: v.clone() for k, v in partial.items()}, strict=False, assign=True)
+    assert len(result.missing_keys) == 6
+    assert torch.equal(kept.gate_up_proj[0], experts.gate_up_proj[0]) and not kept.gate_up_proj[1:].any()

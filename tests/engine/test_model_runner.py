@@ -229,7 +229,8 @@ def test_a_replayed_step_reads_the_filled_buffers_and_returns_a_copy(monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on CPU the capture check above stands in)")
 def test_cuda_graphs_replay_the_eager_decode_step() -> None:
     """On CUDA the runner captures one graph per padded size; replaying them gives the eager
-    runner's tokens and logits, over the same buffer addresses; the MoE model runs eagerly."""
+    runner's tokens and logits, over the same buffer addresses; the MoE model runs eagerly on the
+    torch backend and is captured through the kernels (``fused_moe``)."""
     prompts = [tokens(40 + 9 * i, 60 + i) for i in range(5)]
     results = {}
     for graphs in (False, True):
