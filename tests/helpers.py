@@ -7,6 +7,7 @@ import socket
 import torch
 
 from engine import LLM
+from engine.config import HybridConfig
 from engine.outputs import ScoreOutput
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}
@@ -58,11 +59,5 @@ def qwen3_next_dense() -> object:
     return config_from_dict({"model_type": "qwen3_next", **PRESETS["qwen3_next-tiny"].fields, "num_experts": 0})
 
 
-def _no_compressed() -> object:
-    from engine.config import HybridConfig
-
-    return HybridConfig(layer_types=("linear_attention", "sliding_attention", "full_attention", "linear_attention"), sliding_window=24)
-
-
-NO_COMPRESSED = _no_compressed()
+NO_COMPRESSED = HybridConfig(layer_types=("linear_attention", "sliding_attention", "full_attention", "linear_attention"), sliding_window=24)
 """A kvscope_hybrid with every kind the runner batches: linear, sliding and full layers."""

@@ -86,7 +86,7 @@ class DecodeBatch:
         outputs = [mix(h[i : i + 1], positions, state) for i, (state, positions) in enumerate(self.sequences)]
         pad = self.size - len(self.sequences)
         if pad:
-            outputs.append(h.new_zeros((pad, outputs[0].shape[1] if outputs else h.shape[1])))
+            outputs.append(h.new_zeros((pad, h.shape[1])))  # a mixer maps the hidden size to itself
         return torch.cat(outputs)
 
     def write_kv(self, layer: int, keys: Tensor, values: Tensor) -> LayerPages:

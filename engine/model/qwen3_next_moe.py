@@ -8,6 +8,7 @@ Shapes: T tokens, C hidden size, E experts, k experts per token, I expert interm
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ class Qwen3NextExperts(nn.Module):
     def expert(self, e: int) -> dict[str, Tensor]:
         """Expert ``e``'s checkpoint tensors as views of the packed parameters."""
         i = self.intermediate_size
-        return {"gate_proj": self.gate_up_proj[e, :i], "up_proj": self.gate_up_proj[e, i:], "down_proj": self.down_proj[e]}
+        return dict(zip(_CHECKPOINT_NAMES, (self.gate_up_proj[e, :i], self.gate_up_proj[e, i:], self.down_proj[e]), strict=True))
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         out = torch.zeros_like(x)
@@ -66,18 +67,7 @@ class Qwen3NextExperts(nn.Module):
     ) -> None:  # fmt: skip
         for hook in self._load_state_dict_pre_hooks.values():  # as nn.Module's own loader does
             hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if local_metadata.get("assign_to_params_buffers", False):  # load_state_dict(assign=True)
-            self._assign(state_dict, prefix, missing_keys, error_msgs)
-        else:
-            self._copy_in(state_dict, prefix, missing_keys, error_msgs)
-        if strict:
-            mine = {f"{prefix}{e}.{name}.weight" for e in range(self.num_experts) for name in ("gate_proj", "up_proj", "down_proj")}
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in mine)
-
-    def _assign(self, state_dict: dict[str, Any], prefix: str, missing_keys: list[str], error_msgs: list[str]) -> None:
-        """``assign=True``: the packed parameters become new tensors stacked from the
-        checkpoint's (taking their dtype and device), when every expert's three are there."""
-        parts: dict[str, list[Tensor]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+        found: dict[tuple[int, str], Tensor] = {}  # (expert, name) -> the checkpoint's tensor
         for e in range(self.num_experts):
             for name, view in self.expert(e).items():
                 key = f"{prefix}{e}.{name}.weight"
@@ -86,27 +76,26 @@ class Qwen3NextExperts(nn.Module):
                 elif tuple(state_dict[key].shape) != tuple(view.shape):
                     error_msgs.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)} in the checkpoint, {tuple(view.shape)} here")
                 else:
-                    parts[name].append(state_dict[key])
-        if all(len(p) == self.num_experts for p in parts.values()):
-            gate_up = torch.stack([torch.cat((g, u)) for g, u in zip(parts["gate_proj"], parts["up_proj"], strict=True)])
+                    found[(e, name)] = state_dict[key]
+        if strict:
+            mine = {f"{prefix}{e}.{name}.weight" for e, name in itertools.product(range(self.num_experts), _CHECKPOINT_NAMES)}
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in mine)
+        assign = local_metadata.get("assign_to_params_buffers", False)  # load_state_dict(assign=True)
+        if assign and len(found) == len(_CHECKPOINT_NAMES) * self.num_experts:  # new packed tensors, the checkpoint's dtype
+            gate_up = torch.stack([torch.cat((found[(e, "gate_proj")], found[(e, "up_proj")])) for e in range(self.num_experts)])
+            down = torch.stack([found[(e, "down_proj")] for e in range(self.num_experts)])
             self.gate_up_proj = nn.Parameter(gate_up, requires_grad=self.gate_up_proj.requires_grad)
-            self.down_proj = nn.Parameter(torch.stack(parts["down_proj"]), requires_grad=self.down_proj.requires_grad)
-        elif self.gate_up_proj.is_meta or self.down_proj.is_meta:  # nothing to keep the other experts in
+            self.down_proj = nn.Parameter(down, requires_grad=self.down_proj.requires_grad)
+        elif assign and (self.gate_up_proj.is_meta or self.down_proj.is_meta):  # nowhere to keep the others
             error_msgs.append(f"{prefix or 'experts'}: assign=True needs every expert's gate_proj, up_proj and down_proj to build the packed tensors")
-        else:  # some experts: copied into the packed tensors, the others kept
-            self._copy_in(state_dict, prefix, [], error_msgs)
+        else:  # copied into the packed tensors; experts not in the checkpoint keep their values
+            with torch.no_grad():
+                for (e, name), tensor in found.items():
+                    self.expert(e)[name].copy_(tensor)
 
-    def _copy_in(self, state_dict: dict[str, Any], prefix: str, missing_keys: list[str], error_msgs: list[str]) -> None:
-        with torch.no_grad():
-            for e in range(self.num_experts):
-                for name, view in self.expert(e).items():
-                    key = f"{prefix}{e}.{name}.weight"
-                    if key not in state_dict:
-                        missing_keys.append(key)
-                    elif tuple(state_dict[key].shape) != tuple(view.shape):
-                        error_msgs.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)} in the checkpoint, {tuple(view.shape)} here")
-                    else:
-                        view.copy_(state_dict[key])
+
+_CHECKPOINT_NAMES = ("gate_proj", "up_proj", "down_proj")
+"""Each expert's tensors in a checkpoint (``experts.{e}.{name}.weight``)."""
 
 
 class Qwen3NextSparseMoe(nn.Module):

@@ -116,8 +116,16 @@ class DecodeRunner:
         self.recurrent = {layer: torch.zeros((num_slots, *rec), dtype=torch.float32, device=device) for layer, (_, rec) in shapes.items()}
         self._free = list(range(num_slots - 1, 0, -1))
         self._batches = {size: self._batch(size) for size in self.sizes}
-        cuda = device.type == "cuda"
-        self._host = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self._inputs().items()} if cuda else {}
+        self._inputs: dict[str, Tensor] = {"input_ids": self.input_ids, "positions": self.positions, "slot_ids": self.slot_ids}
+        """The buffers each step fills, by name."""
+        for i in range(len(self.forms)):
+            self._inputs |= {
+                f"block_tables.{i}": self.block_tables[i], f"seq_lens.{i}": self.seq_lens[i],
+                f"write_pages.{i}": self.write_pages[i], f"write_offsets.{i}": self.write_offsets[i],
+            }  # fmt: skip
+        self._cuda = device.type == "cuda"
+        # on CUDA the host writes each step's inputs into pinned mirrors, uploaded without blocking
+        self._host = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self._inputs.items()} if self._cuda else self._inputs
         self._uploaded: torch.cuda.Event | None = None
         self.check_graph_safe = check_graph_safe
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -144,10 +152,7 @@ class DecodeRunner:
 
     def buffers(self) -> list[Tensor]:
         """Every persistent tensor the decode forward reads or writes (besides the pools)."""
-        return [
-            self.input_ids, self.positions, self.slot_ids, *self.block_tables, *self.seq_lens,
-            *self.write_pages, *self.write_offsets, *self.conv.values(), *self.recurrent.values(),
-        ]  # fmt: skip
+        return [*self._inputs.values(), *self.conv.values(), *self.recurrent.values()]
 
     @property
     def free_slots(self) -> int:
@@ -242,21 +247,9 @@ class DecodeRunner:
         finally:
             batch.sequences = ()  # no reference to finished sequences between steps
 
-    def _inputs(self) -> dict[str, Tensor]:
-        """The buffers each step fills, by name."""
-        named = {"input_ids": self.input_ids, "positions": self.positions, "slot_ids": self.slot_ids}
-        for i in range(len(self.forms)):
-            named |= {
-                f"block_tables.{i}": self.block_tables[i], f"seq_lens.{i}": self.seq_lens[i],
-                f"write_pages.{i}": self.write_pages[i], f"write_offsets.{i}": self.write_offsets[i],
-            }  # fmt: skip
-        return named
-
     def _staging(self) -> dict[str, Tensor]:
-        """Where the host writes a step's inputs: on CUDA pinned host mirrors of the buffers (the
-        previous step's uploads from them waited for first), elsewhere the buffers themselves."""
-        if self.input_ids.device.type != "cuda":
-            return self._inputs()
+        """Where the host writes a step's inputs: on CUDA the pinned mirrors (once the previous
+        step's uploads from them are done), elsewhere the buffers themselves."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the mirrors are free again
         return self._host
@@ -264,9 +257,9 @@ class DecodeRunner:
     def _upload(self, rows: int) -> None:
         """Copy the first ``rows`` rows of every pinned mirror to its buffer without blocking the
         host (one event marks the end); nothing to do off CUDA."""
-        if self.input_ids.device.type != "cuda":
+        if not self._cuda:
             return
-        for name, buffer in self._inputs().items():
+        for name, buffer in self._inputs.items():
             buffer[:rows].copy_(self._host[name][:rows], non_blocking=True)
         if self._uploaded is None:
             self._uploaded = torch.cuda.Event(blocking=True)  # the host sleeps, not spins, waiting on it
@@ -313,7 +306,7 @@ class DecodeRunner:
     def _fill_padding(self, size: int) -> None:
         """Every one of the first ``size`` rows a padding row (token 0, position 0, sentinel page
         and slot, length 0)."""
-        for t in (self.input_ids, self.positions, self.slot_ids, *self.block_tables, *self.seq_lens, *self.write_pages, *self.write_offsets):
+        for t in self._inputs.values():
             t[:size].zero_()
 
     @torch.no_grad()
@@ -327,7 +320,7 @@ class DecodeRunner:
                 CUDA capture error when the forward is not capturable.
         """
         device = self.input_ids.device
-        if device.type != "cuda":
+        if not self._cuda:
             raise RuntimeError("CUDA graphs need a CUDA device")
         with torch.cuda.device(device):  # streams and the capture on the model's GPU, not cuda:0
             pool = torch.cuda.graph_pool_handle()
