@@ -7,6 +7,10 @@ The agent is the only process that opens the DuckDB file read-write. Module map:
 * :mod:`agent.store` — the DuckDB store: one writer, a cursor per thread, locked configuration;
 * :mod:`agent.ingest` — event batches to Arrow tables, stored idempotently on (engine_id, seq);
 * :mod:`agent.metrics` — the Prometheus metrics, on the agent's own registry;
+* :mod:`agent.label_cap` — at most N distinct values per free-form label, the rest ``other``;
+* :mod:`agent.bulk_histogram`, :mod:`agent.batch_summary` — batch-at-a-time histograms, and what
+  a batch adds to the metrics (computed in the decode worker);
+* :mod:`agent.process_metrics` — process memory and start time, DuckDB's memory, at scrape time;
 * :mod:`agent.sql` — the read-only SQL sandbox (statement check, row cap, time limit, renderers);
 * :mod:`agent.queries` — named, parameterised queries for the dashboard and alerts;
 * :mod:`agent.app` — the FastAPI application (HTTP endpoints);

@@ -11,21 +11,30 @@ Endpoints:
   it again).
 * ``POST /v1/sql`` — ``{"sql": str, "format": "json"|"csv"|"arrow", "limit": int?}`` through the
   read-only sandbox (:mod:`agent.sql`). 400 bad SQL or request, 403 not a single SELECT, 408 time
-  limit. ``limit`` is capped by ``sql_row_limit``.
+  limit. ``limit`` is capped by ``sql_row_limit``. 429 with ``Retry-After`` when
+  ``sql_max_concurrent_queries`` queries (this and named ones) run and none ends within
+  ``sql_queue_timeout_seconds`` (:mod:`agent.query_gate`).
 * ``GET /v1/query/{name}`` — a named query (:mod:`agent.queries`), parameters in the query
-  string plus ``format``. 404 unknown query, 400 bad parameter.
+  string plus ``format``. 404 unknown query, 400 bad parameter, 408 and 429 as for ``/v1/sql``.
 * ``GET /v1/alerts`` — the alerts pending or firing now (as Prometheus's ``/api/v1/alerts``):
   ``{"alerts": [{"alertname", "state", "labels", "annotations", "value", "active_at",
   "firing_since"}]}``; 503 when no rule scheduler runs beside the app.
+* ``GET /v1/alerts/missed-evaluations`` — rule-group evaluations that were due and did not run
+  since the agent started (:mod:`alerts.missed_evaluations`): ``{"missed": [{"group",
+  "reason", "count", "last_due_at"}]}``; 503 when no rule scheduler runs beside the app.
 * ``GET /v1/silences`` — every silence not expired more than a day ago, with its ``state``
   (pending, active, expired); ``POST /v1/silences`` — ``{"matchers": ["engine=\"e1\""],
   "ends_at": unix s | "duration": "2h", "starts_at": unix s?, "created_by": str, "comment": str}``
   creates one (200 with it, 400 for a bad matcher or bad times); ``DELETE /v1/silences/{id}``
   expires one (404 unknown id). Silences mute matching alerts in the agent's routing
   (:mod:`alerts.notifier`), as Alertmanager's do.
-* ``GET /metrics`` — Prometheus text exposition of the agent's own registry.
+* ``GET /metrics`` — Prometheus text exposition of the agent's own registry, rendered in a worker
+  thread (never on the event loop); free-form labels are capped (:mod:`agent.label_cap`).
 * ``GET /healthz`` — 200 while the process runs (never needs the token).
-* ``GET /readyz`` — 200 once the store is open and migrated, else 503.
+* ``GET /readyz`` — 200 ``{"status": "ready"|"degraded", "schema_version", "degraded"}`` once
+  the store is open and migrated and the data directory can be written (degraded: conditions of
+  :class:`agent.health.Health`, such as a quarantined WAL); else 503 ``{"status": "not_ready",
+  "reasons": [...]}`` (:func:`agent.readiness.readiness`).
 
 Errors are JSON ``{"error": {"reason": str, ...}}`` with extra keys where useful (``path`` for
 events, ``param`` for query parameters, ``known`` for unknown queries). For CSV and Arrow answers
@@ -61,9 +70,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from agent import queries, sql
 from agent.config import AgentConfig
 from agent.decode import BatchDecoder, Invalid
+from agent.durability import Durability
+from agent.health import Health
 from agent.ingest import record_rejected
 from agent.metrics import AgentMetrics
 from agent.pipeline import FullPolicy, Ingestor, IngestorClosed, QueueFull, StoreWriteError
+from agent.process_metrics import duckdb_memory_bytes
+from agent.query_gate import QueryBusy, QueryGate
+from agent.readiness import DataDirProbe, readiness
 from agent.store import Store, StoreClosedError, utc_now
 from alerts import alert_store
 from alerts.rulefile import parse_duration
@@ -147,6 +161,8 @@ def create_app(
     store: Store | None = None,
     *,
     metrics: AgentMetrics | None = None,
+    health: Health | None = None,
+    durability: Durability | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> FastAPI:
     """Build the agent's application.
@@ -157,13 +173,20 @@ def create_app(
             ``config.db_path`` at startup and closes it at shutdown (its lifespan).
         metrics: the metrics to update and expose; ``None`` creates a fresh registry. Pass the
             same instance to the alert scheduler so its gauge is exposed here.
+        health: the degraded conditions ``/readyz`` reports (``None``: a fresh, healthy
+            :class:`agent.health.Health`); :func:`agent.server.serve` passes its own.
+        durability: the acknowledgement log and durable watermarks (:mod:`agent.durability`)
+            over ``store``; with it every flush is logged, answers carry the engine's
+            ``durable_seq`` and the ``agent_instance``, and ``GET /v1/ingest/watermark`` answers.
+            ``None`` (tests, an app that opens its own store): answers carry neither, and
+            clients treat an acknowledged batch as durable.
         environ: where ``KVSCOPE_TOKEN`` is read from.
 
     ``app.state.store``, ``app.state.metrics`` and ``app.state.ingestor`` (the ingest pipeline
     over the store; closed — queued batches flushed — when the app shuts down) hold what the app
     uses.
     """
-    metrics = metrics if metrics is not None else AgentMetrics()
+    metrics = metrics if metrics is not None else AgentMetrics(label_max_values=config.metric_label_max_values)
     owns_store = store is None
 
     def new_ingestor(target: Store) -> Ingestor:
@@ -174,12 +197,20 @@ def create_app(
             full_policy=cast(FullPolicy, config.ingest_full_policy),
             block_timeout_seconds=config.ingest_block_timeout_seconds,
             flush_max_events=config.flush_max_events,
+            on_committed=durability.record if durability is not None else None,
         )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if owns_store:
-            app.state.store = await run_in_threadpool(Store.open, config.db_path, wal_autocheckpoint_bytes=config.checkpoint_wal_bytes)
+            app.state.store = await run_in_threadpool(
+                lambda: Store.open(
+                    config.db_path,
+                    wal_autocheckpoint_bytes=config.checkpoint_wal_bytes,
+                    memory_limit_bytes=config.duckdb_memory_limit_bytes,
+                    threads=config.duckdb_threads,
+                )
+            )
             app.state.ingestor = await run_in_threadpool(new_ingestor, app.state.store)
         try:
             yield
@@ -195,12 +226,24 @@ def create_app(
     app = FastAPI(title="kvscope agent", version="1", lifespan=lifespan)
     app.state.store = store
     app.state.metrics = metrics
+    metrics.set_duckdb_memory_source(lambda: duckdb_memory_bytes(app.state.store))
     app.state.config = config
+    app.state.health = health if health is not None else Health()
+    app.state.data_dir_probe = DataDirProbe(config.data_dir)
+    """Whether ``config.data_dir`` can be written: cached, run off the event loop by ``/readyz``."""
     app.state.ingestor = new_ingestor(store) if store is not None else None
+    app.state.durability = durability
+    if durability is not None and app.state.ingestor is not None:
+        durability.attach(app.state.ingestor.tracker)
     decoder = BatchDecoder(config.decode_processes)
     app.state.decoder = decoder
+    query_gate = QueryGate(config.sql_max_concurrent_queries, config.sql_queue_timeout_seconds)
+    app.state.query_gate = query_gate
+    """Caps ``/v1/sql`` and ``/v1/query`` queries running at once (429 past the queue timeout)."""
     app.state.active_alerts = None
     """Set by :func:`agent.server.serve`: the rule scheduler's pending and firing alerts."""
+    app.state.missed_evaluations = None
+    """Set by :func:`agent.server.serve`: the rule scheduler's missed-evaluation counts."""
 
     token = resolve_token(config, environ)
     if token is not None:
@@ -217,6 +260,12 @@ def create_app(
         if current is None:
             raise _ApiError(503, "the ingest pipeline is not running")
         return current
+
+    @app.exception_handler(QueryBusy)
+    async def _query_busy(request: Request, exc: QueryBusy) -> JSONResponse:
+        response = error_response(exc.status, exc.reason)
+        response.headers["Retry-After"] = str(exc.retry_after_seconds)
+        return response
 
     @app.exception_handler(_ApiError)
     async def _api_error(request: Request, exc: _ApiError) -> JSONResponse:
@@ -237,13 +286,27 @@ def create_app(
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         current: Store | None = app.state.store
-        if current is None or not current.is_open:
-            return error_response(503, "not ready: the store is not open")
-        return JSONResponse({"status": "ready", "schema_version": current.schema_version})
+        probe: DataDirProbe = app.state.data_dir_probe
+        is_open = current is not None and current.is_open
+        cached = probe.cached()
+        if not is_open:
+            disk_problem = None  # no store to write to yet: that is the reason
+        elif cached is not None:
+            disk_problem = cached.problem
+        else:
+            disk_problem = await run_in_threadpool(probe.problem)
+        status, body = readiness(
+            schema_version=current.schema_version if current is not None and is_open else None,
+            store_open=is_open,
+            disk_problem=disk_problem,
+            degraded=app.state.health.degraded,
+        )
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+        # rendered in a worker thread: a large or slow scrape never holds the event loop
+        return Response(await run_in_threadpool(metrics.exposition), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     @app.post("/v1/events")
     async def post_events(request: Request) -> JSONResponse:
@@ -305,7 +368,35 @@ def create_app(
                 "events; give each engine run its own engine_id",
                 path="$.seq",
             )
-        return JSONResponse({"status": outcome.status, "events": outcome.events})
+        answer: dict[str, object] = {"status": outcome.status, "events": outcome.events}
+        if durability is not None:
+            answer["seq"] = outcome.seq
+            answer["durable_seq"] = durability.durable_seq(outcome.engine_id)
+            answer["agent_instance"] = durability.instance
+        return JSONResponse(answer)
+
+    def current_durability() -> Durability:
+        if durability is None:
+            raise _ApiError(404, "this agent keeps no durable watermarks (no acknowledgement log)")
+        return durability
+
+    def watermark_answer(engine_id: str) -> JSONResponse:
+        current = current_durability()
+        return JSONResponse({"engine_id": engine_id, "durable_seq": current.durable_seq(engine_id), "agent_instance": current.instance})
+
+    @app.get("/v1/ingest/watermark")
+    async def ingest_watermark(engine_id: str) -> JSONResponse:
+        return watermark_answer(engine_id)
+
+    @app.post("/v1/ingest/checkpoint")
+    async def ingest_checkpoint(engine_id: str) -> JSONResponse:
+        current = current_durability()
+        asked = time.monotonic()
+        try:
+            await run_in_threadpool(current.sync, asked)
+        except (duckdb.Error, StoreClosedError) as exc:
+            return _retry_later(f"the checkpoint failed ({type(exc).__name__}); ask again")
+        return watermark_answer(engine_id)
 
     @app.post("/v1/sql")
     async def post_sql(request: Request) -> Response:
@@ -319,14 +410,17 @@ def create_app(
         limit = min(req.limit or config.sql_row_limit, config.sql_row_limit)
         target = current_store()
 
-        def run() -> sql.ResultSet:
-            statement = sql.check_read_only(req.sql)
-            return sql.run_read_query(
-                target, statement, row_limit=limit, timeout_seconds=config.sql_timeout_seconds
-            )
-
         try:
-            result = await run_in_threadpool(run)
+            result = await query_gate.run(
+                lambda release: sql.run_read_query(
+                    target,
+                    req.sql,
+                    row_limit=limit,
+                    timeout_seconds=config.sql_timeout_seconds,
+                    on_done=release,
+                    untrusted=True,  # checked by check_read_only inside its slot
+                )
+            )
         except sql.SqlError as exc:
             raise _ApiError(exc.status, exc.reason) from None
         return _result_response(result, req.format)
@@ -348,13 +442,14 @@ def create_app(
             raise _ApiError(exc.status, exc.reason, param=exc.param) from None
         target = current_store()
         try:
-            result = await run_in_threadpool(
-                lambda: sql.run_read_query(
+            result = await query_gate.run(
+                lambda release: sql.run_read_query(
                     target,
                     query.sql,
                     bound,
                     row_limit=config.sql_row_limit,
                     timeout_seconds=config.sql_timeout_seconds,
+                    on_done=release,
                 )
             )
         except sql.SqlError as exc:
@@ -367,6 +462,13 @@ def create_app(
         if source is None:
             raise _ApiError(503, "no rule scheduler runs in this process")
         return JSONResponse({"alerts": await run_in_threadpool(source)})
+
+    @app.get("/v1/alerts/missed-evaluations")
+    async def missed_evaluations() -> JSONResponse:
+        source = app.state.missed_evaluations
+        if source is None:
+            raise _ApiError(503, "no rule scheduler runs in this process")
+        return JSONResponse({"missed": source()})
 
     @app.get("/v1/silences")
     async def list_silences() -> JSONResponse:

@@ -20,6 +20,12 @@ import pyarrow as pa
 DEFAULT_AGENT_URL = "http://127.0.0.1:9400"
 AGENT_URL_ENV = "KVSCOPE_AGENT_URL"
 TOKEN_ENV = "KVSCOPE_TOKEN"
+DEFAULT_QUERY_TIMEOUT_SECONDS = 30.0
+"""How long :meth:`AgentClient.sql` and :meth:`AgentClient.query_table` wait for an answer. It must
+exceed the agent's ``sql_timeout_seconds`` + ``sql_queue_timeout_seconds`` (+ 0.1 s for an
+interrupt to land): then the agent's own 408 or 429, with its reason, arrives before the client
+gives up. The agent's defaults (10 s + 2 s) leave 18 s for transfer; raise it with
+``query_timeout_seconds`` when the agent's limits are raised."""
 
 
 class AgentError(Exception):
@@ -38,7 +44,10 @@ class AgentClient:
     Attributes:
         base_url: the agent's root URL, e.g. ``http://127.0.0.1:9400``.
         token: bearer token, when the agent requires one (default: ``KVSCOPE_TOKEN``).
-        timeout_seconds: per request (connect and read).
+        timeout_seconds: per request (connect and read), except queries.
+        query_timeout_seconds: per ``/v1/sql`` or ``/v1/query`` request (``timeout_seconds`` when
+            that is larger); see :data:`DEFAULT_QUERY_TIMEOUT_SECONDS` for how it relates to the
+            agent's limits.
 
     Raises:
         ValueError: a URL that is not http(s) or a non-positive timeout.
@@ -47,20 +56,24 @@ class AgentClient:
     base_url: str = DEFAULT_AGENT_URL
     token: str | None = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or None)
     timeout_seconds: float = 5.0
+    query_timeout_seconds: float = DEFAULT_QUERY_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"agent URL must start with http:// or https://, got {self.base_url!r}")
         if not self.timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0, got {self.timeout_seconds}")
+        if not self.query_timeout_seconds > 0:
+            raise ValueError(f"query_timeout_seconds must be > 0, got {self.query_timeout_seconds}")
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        seconds = self.timeout_seconds if timeout is None else timeout
         try:
-            return httpx.request(method, f"{self.base_url}{path}", headers=headers, timeout=self.timeout_seconds, **kwargs)
+            return httpx.request(method, f"{self.base_url}{path}", headers=headers, timeout=seconds, **kwargs)
         except httpx.TimeoutException:
-            raise AgentError(f"agent at {self.base_url} did not answer within {self.timeout_seconds:g} s") from None
+            raise AgentError(f"agent at {self.base_url} did not answer within {seconds:g} s") from None
         except httpx.TransportError as exc:
             raise AgentError(f"agent unreachable at {self.base_url} ({exc})") from None
         except httpx.InvalidURL as exc:
@@ -73,7 +86,7 @@ class AgentClient:
             AgentError: the agent is unreachable, or refused the query (its reason included).
         """
         args = {k: str(v) for k, v in {**params, "format": "arrow"}.items() if v is not None}
-        response = self._request("GET", f"/v1/query/{name}", params=args)
+        response = self._request("GET", f"/v1/query/{name}", params=args, timeout=max(self.timeout_seconds, self.query_timeout_seconds))
         if response.status_code != 200:
             raise AgentError(
                 f"agent at {self.base_url} refused query {name} (HTTP {response.status_code}): {_reason(response)}"
@@ -93,7 +106,7 @@ class AgentClient:
         Raises:
             AgentError: unreachable, or the query was refused (the agent's reason included).
         """
-        response = self._request("POST", "/v1/sql", json={"sql": sql, "format": fmt})
+        response = self._request("POST", "/v1/sql", json={"sql": sql, "format": fmt}, timeout=max(self.timeout_seconds, self.query_timeout_seconds))
         if response.status_code != 200:
             raise AgentError(f"HTTP {response.status_code}: {_reason(response)}")
         return response
@@ -105,6 +118,15 @@ class AgentClient:
             AgentError: unreachable, or no rule scheduler runs in the agent.
         """
         return list(self._json("GET", "/v1/alerts")["alerts"])
+
+    def missed_evaluations(self) -> list[dict[str, Any]]:
+        """``GET /v1/alerts/missed-evaluations``: per rule group and reason, the evaluations due
+        and not run since the agent started.
+
+        Raises:
+            AgentError: unreachable, or no rule scheduler runs in the agent.
+        """
+        return list(self._json("GET", "/v1/alerts/missed-evaluations")["missed"])
 
     def silences(self) -> list[dict[str, Any]]:
         """``GET /v1/silences``.
@@ -140,6 +162,25 @@ class AgentClient:
             raise AgentError(f"agent at {self.base_url} sent an answer that is not JSON") from None
         if not isinstance(doc, dict):
             raise AgentError(f"agent at {self.base_url} sent an unexpected answer")
+        return doc
+
+    def readyz(self) -> dict[str, Any]:
+        """``GET /readyz``'s body, whatever its status code: ``{"status": "ready" | "degraded" |
+        "not_ready", "schema_version", "degraded": [{"reason", "detail", "since"}], "reasons"
+        (not_ready only)}`` (see :func:`agent.readiness.readiness`). An answer that is not such
+        an object (an older agent's 503, a 401 for a wrong token) comes back as ``{"status":
+        "not_ready", "reasons": [its reason], "degraded": []}``.
+
+        Raises:
+            AgentError: nothing answered (unreachable, or no answer within the timeout).
+        """
+        response = self._request("GET", "/readyz")
+        try:
+            doc = response.json()
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or doc.get("status") not in ("ready", "degraded", "not_ready"):
+            return {"status": "not_ready", "reasons": [f"HTTP {response.status_code}: {_reason(response)}"], "degraded": []}
         return doc
 
     def ready(self) -> bool:

@@ -8,6 +8,10 @@ A YAML file holds a flat mapping whose keys are the field names of :class:`Agent
     token: s3cret            # or set KVSCOPE_TOKEN in the environment
     sql_row_limit: 10000
     sql_timeout_seconds: 10
+    sql_max_concurrent_queries: 4     # /v1/sql and /v1/query at once; more wait, then 429
+    sql_queue_timeout_seconds: 2
+    duckdb_memory_limit_bytes: null   # null: half of RAM (or of the cgroup limit)
+    duckdb_threads: null              # null: one fewer than the CPUs
     alert_rules_file: /etc/kvscope/rules.yaml      # default: the shipped alerts/default_rules.yaml
     alert_notify_file: /etc/kvscope/notify.yaml    # default: the shipped alerts/default_notify.yaml
     ingest_queue_max_events: 200000   # the ingest buffer ...
@@ -32,6 +36,7 @@ from pathlib import Path
 
 import yaml
 
+from agent.label_cap import DEFAULT_MAX_VALUES
 from agent.pipeline import FULL_POLICIES
 
 MiB = 1024 * 1024
@@ -40,6 +45,9 @@ MiB = 1024 * 1024
 DAY = 86_400
 UPPER_BOUNDS: dict[str, float] = {
     "sql_timeout_seconds": DAY,
+    "sql_max_concurrent_queries": 1024,
+    "sql_queue_timeout_seconds": 3600,
+    "duckdb_threads": 1024,
     "alert_interval_seconds": DAY,
     "ingest_block_timeout_seconds": 3600,
     "rollup_interval_seconds": DAY,
@@ -49,6 +57,7 @@ UPPER_BOUNDS: dict[str, float] = {
     "maintenance_interval_seconds": 7 * DAY,
     "checkpoint_interval_seconds": 7 * DAY,
     "gpu_sample_seconds": DAY,
+    "metric_label_max_values": 10_000,
 }
 """Largest accepted values: beyond them a setting makes no sense and would overflow a timer or
 a date computation."""
@@ -78,7 +87,18 @@ class AgentConfig:
         token: bearer token required on every route but ``/healthz``; ``None`` falls back to the
             ``KVSCOPE_TOKEN`` environment variable, and to no authentication when that is unset.
         sql_row_limit: most rows one ``/v1/sql`` or ``/v1/query`` answer carries.
-        sql_timeout_seconds: a read query running longer is interrupted (HTTP 408).
+        sql_timeout_seconds: a read query running longer is interrupted (HTTP 408). The answer
+            comes at the limit even when DuckDB cannot stop the query at once (one long function
+            call); that query keeps its slot until it really ends.
+        sql_max_concurrent_queries: ``/v1/sql`` and ``/v1/query`` queries running at once
+            (:mod:`agent.query_gate`); alert rule inputs do not count against it and are never
+            refused.
+        sql_queue_timeout_seconds: a query finding every slot taken waits this long for one,
+            then is answered 429 with ``Retry-After``.
+        duckdb_memory_limit_bytes: DuckDB's ``memory_limit`` for the whole instance; ``None``:
+            half of RAM, or of the cgroup limit when lower (:mod:`agent.duckdb_settings`).
+        duckdb_threads: DuckDB's worker threads for the whole instance; ``None``: one fewer than
+            the usable CPUs (at least 1), leaving ingest and the HTTP loop a core.
         max_body_bytes: largest accepted ``POST /v1/events`` body (HTTP 413 above it).
         alert_ingest_lag_seconds: the evaluation runs this many seconds after each minute
             boundary and ends its windows that long before now, so late events are counted.
@@ -119,6 +139,10 @@ class AgentConfig:
             reaches this size.
         gpu_sample_seconds: NVML sampling period (``gpu_stats`` and ``kvscope_gpu_*``); ``None``
             turns the sampler off. Without a GPU it logs once and stays off.
+        metric_label_max_values: distinct values each free-form metric label (``engine``,
+            ``model``) keeps: the first ones seen since the agent started; later values are
+            exported as ``other`` and counted in ``kvscope_metric_label_values_folded_total``
+            (:mod:`agent.label_cap`). Bounds ``/metrics``; the stored events keep every value.
     """
 
     host: str = "127.0.0.1"
@@ -127,6 +151,10 @@ class AgentConfig:
     token: str | None = None
     sql_row_limit: int = 10_000
     sql_timeout_seconds: float = 10.0
+    sql_max_concurrent_queries: int = 4
+    sql_queue_timeout_seconds: float = 2.0
+    duckdb_memory_limit_bytes: int | None = None
+    duckdb_threads: int | None = None
     max_body_bytes: int = 32 * MiB
     alert_ingest_lag_seconds: int = 5
     alert_interval_seconds: float | None = None
@@ -148,6 +176,7 @@ class AgentConfig:
     checkpoint_interval_seconds: float = 300.0
     checkpoint_wal_bytes: int = 16 * MiB
     gpu_sample_seconds: float | None = 15.0
+    metric_label_max_values: int = DEFAULT_MAX_VALUES
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -169,6 +198,14 @@ class AgentConfig:
             raise ValueError(f"sql_row_limit must be >= 1, got {self.sql_row_limit}")
         if not self.sql_timeout_seconds > 0:
             raise ValueError(f"sql_timeout_seconds must be > 0, got {self.sql_timeout_seconds}")
+        if self.sql_max_concurrent_queries < 1:
+            raise ValueError(f"sql_max_concurrent_queries must be >= 1, got {self.sql_max_concurrent_queries}")
+        if self.sql_queue_timeout_seconds < 0:
+            raise ValueError(f"sql_queue_timeout_seconds must be >= 0, got {self.sql_queue_timeout_seconds}")
+        if self.duckdb_memory_limit_bytes is not None and self.duckdb_memory_limit_bytes < 16 * MiB:
+            raise ValueError(f"duckdb_memory_limit_bytes must be >= {16 * MiB} (16 MiB) or null, got {self.duckdb_memory_limit_bytes}")
+        if self.duckdb_threads is not None and self.duckdb_threads < 1:
+            raise ValueError(f"duckdb_threads must be >= 1 or null, got {self.duckdb_threads}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not 0 <= self.alert_ingest_lag_seconds <= 59:
@@ -203,6 +240,8 @@ class AgentConfig:
             raise ValueError(f"export_lag_seconds must be >= 0, got {self.export_lag_seconds}")
         if self.checkpoint_wal_bytes < 1:
             raise ValueError(f"checkpoint_wal_bytes must be >= 1, got {self.checkpoint_wal_bytes}")
+        if self.metric_label_max_values < 1:
+            raise ValueError(f"metric_label_max_values must be >= 1, got {self.metric_label_max_values}")
         if self.export_dir is not None and not isinstance(self.export_dir, Path):
             object.__setattr__(self, "export_dir", Path(self.export_dir))
         for name in ("alert_rules_file", "alert_notify_file"):

@@ -28,8 +28,8 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
+from agent.batch_summary import BatchSummary, summarize_tables
 from agent.ingest import PreparedBatch, prepare_batch
-from agent.metrics import BatchSummary, summarize_tables
 from engine.events import ContentFormat, EventError, decode_batch
 
 

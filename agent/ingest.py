@@ -48,6 +48,7 @@ import pyarrow as pa
 
 from agent.migrations import RECOVERY_BUCKETS_V3, bucket_column
 from agent.store import Store
+from engine.batch_scan import batch_header
 from engine.events import (
     BlockEvent,
     CacheLookup,
@@ -389,6 +390,11 @@ class SeqTracker:
             self._seen.setdefault(engine_id, SeqRanges()).add(seq)
             if stored:
                 self._stored.setdefault(engine_id, SeqRanges()).add(seq)
+
+    def tops(self) -> dict[str, int]:
+        """Engine id → the highest seq received (stored or filed as rejected)."""
+        with self._lock:
+            return {e: r.max for e, r in self._seen.items()}
 
     def missing(self) -> dict[str, int]:
         """Engine id → seqs never received below its highest, for engines with any."""
@@ -753,7 +759,8 @@ def latest_ingested_at(store: Store) -> datetime | None:
 
 
 class _BatchHeader(msgspec.Struct):
-    """The two fields a rejected batch is filed under; every other field is ignored."""
+    """The two fields a rejected batch is filed under (:func:`engine.batch_scan.batch_header`
+    reads them); every other field is ignored."""
 
     engine_id: str
     seq: int
@@ -778,14 +785,10 @@ def record_rejected(
 
     Returns False when no row was written, else the gap it revealed (first, last) or None.
     Stores no event."""
-    try:
-        header = (
-            msgspec.json.decode(body, type=_BatchHeader)
-            if fmt == "json"
-            else msgspec.msgpack.decode(body, type=_BatchHeader)
-        )
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    read = batch_header(body, fmt)  # never recursive: a value nested 1,000 deep cannot stop the audit
+    if read is None:
         return False
+    header = _BatchHeader(*read)
     if not 0 < len(header.engine_id) <= 256 or not 0 <= header.seq < 2**63:
         return False
     gap = _gap(tracker.top(header.engine_id, header.seq), header.seq) if tracker is not None else None

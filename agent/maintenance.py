@@ -6,7 +6,7 @@ Jobs (each ``max_instances=1``, ``coalesce=True``; a failure is logged and count
 
 * ``rollup`` every ``rollup_interval_seconds``: :func:`agent.ingest.fold_cache_minute` and
   :func:`agent.ingest.fold_form_usable_minute`, then the
-  ``kvscope_recoverable_hit_ratio`` gauge from the last minute (:func:`recent_hit_ratios`).
+  ``kvscope_recoverable_hit_ratio`` gauge from the last minute (:func:`recent_hit_sums`).
 * ``export`` every hour, ``export_lag_seconds`` after the hour (or every
   ``maintenance_interval_seconds``): :func:`export_parquet` writes the rows of finished hours
   stored since their last export (a late event adds a part, never rewrites one), then — only if
@@ -49,6 +49,7 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import Counter
 
+from agent.arrow_utc import utc_adjusted
 from agent.config import AgentConfig
 from agent.gpu import GpuSampler
 from agent.ingest import fold_cache_minute, fold_form_usable_minute
@@ -178,7 +179,7 @@ def _write_file(path: Path, rows: pa.Table) -> Path:
     created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
-    pq.write_table(rows, temporary)
+    pq.write_table(utc_adjusted(rows), temporary)  # timestamps: isAdjustedToUTC = true
     with open(temporary, "rb") as written:
         os.fsync(written.fileno())
     os.replace(temporary, path)
@@ -265,21 +266,22 @@ HIT_RATIO_WINDOW_SECONDS = 60.0
 HIT_RATIO_LAG_SECONDS = 5.0
 
 
-def recent_hit_ratios(store: Store, *, now: float) -> dict[tuple[str, str], float]:
-    """Per (engine, model): Σ recoverable / Σ prompt tokens of the requests with ``ts`` in the
+def recent_hit_sums(store: Store, *, now: float) -> dict[tuple[str, str], tuple[float, float]]:
+    """Per (engine, model): (Σ recoverable, Σ prompt tokens) of the requests with ``ts`` in the
     minute ending :data:`HIT_RATIO_LAG_SECONDS` before ``now`` (late events allowed for); a
-    series without prompt tokens there is left out (no data, not 0)."""
+    series without prompt tokens there is left out (no data, not 0). Sums, not ratios, so the
+    metrics can merge series the label cap folds into ``other``."""
     end = now - HIT_RATIO_LAG_SECONDS
     with store.cursor() as cur:
         rows = cur.execute(
             """
-            SELECT engine_id, model, sum(recoverable_tokens)::DOUBLE / sum(prompt_tokens)
+            SELECT engine_id, model, sum(recoverable_tokens)::DOUBLE, sum(prompt_tokens)::DOUBLE
             FROM requests WHERE ts >= $start AND ts < $end
             GROUP BY ALL HAVING sum(prompt_tokens) > 0
             """,
             {"start": to_timestamp(end - HIT_RATIO_WINDOW_SECONDS), "end": to_timestamp(end)},
         ).fetchall()
-    return {(engine, model): float(ratio) for engine, model, ratio in rows}
+    return {(engine, model): (float(recoverable), float(prompt)) for engine, model, recoverable, prompt in rows}
 
 
 class MaintenanceScheduler:
@@ -300,8 +302,10 @@ class MaintenanceScheduler:
         *,
         clock: Callable[[], float] = time.time,
         gpu: GpuSampler | None = None,
+        checkpoint: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
+        self._checkpoint = checkpoint if checkpoint is not None else store.checkpoint
         self.config = config
         self.clock = clock
         self.runs = Counter(
@@ -318,7 +322,7 @@ class MaintenanceScheduler:
     def rollup(self) -> int:
         folded = fold_cache_minute(self.store)
         fold_form_usable_minute(self.store)
-        self.metrics.set_recoverable_hit_ratios(recent_hit_ratios(self.store, now=self.clock()))
+        self.metrics.set_recoverable_hit_ratios(recent_hit_sums(self.store, now=self.clock()))
         return folded
 
     def export_and_retain(self) -> tuple[list[ExportedPart], dict[str, int]]:
@@ -347,7 +351,7 @@ class MaintenanceScheduler:
         return exported, deleted
 
     def checkpoint(self) -> None:
-        self.store.checkpoint()
+        self._checkpoint()
 
     def sample_gpu(self) -> int:
         return self.gpu.sample(self.clock())

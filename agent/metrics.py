@@ -4,8 +4,8 @@ Every metric lives on the :class:`AgentMetrics` instance's own ``CollectorRegist
 process-global one), so two agents — or two tests — in one process never share a counter.
 
 Naming: prefix ``kvscope_``, base units, ``_total`` on counters. Labels come only from
-{engine, model, form, tier, outcome, reason} plus ``status``/``kind`` on the ingest counters;
-never request ids. Counters are cumulative since the agent started; consumers compute rates.
+{engine, model, form, tier, outcome, reason} plus ``status``/``kind`` on the ingest counters
+and ``label`` on the folded-values counter; never request ids. Counters are cumulative since the agent started; consumers compute rates.
 They are incremented only after a batch's transaction committed (:meth:`observe_ingest`), so a
 rejected or rolled-back batch never moves an event counter.
 
@@ -25,26 +25,56 @@ The agent's own ingest health: ``kvscope_ingest_batches_total{status}``,
 ``store_error``, ``decode_error``), ``kvscope_ingest_seq_gaps_total`` (jumps past seqs never received),
 ``kvscope_ingest_missing_batches`` (seqs never received now, all engines),
 ``kvscope_ingest_queue_events`` (events waiting for or in a flush).
+
+Bounded labels: ``engine`` and ``model`` come from the events, so each keeps at most
+``label_max_values`` (config ``metric_label_max_values``, default 100) distinct values — the
+first ones seen, for the life of the process — and every later value is folded into ``other``
+(:mod:`agent.label_cap`: why the first, not the busiest). Folding preserves sums: the ``other``
+series holds exactly the folded values' counts and token sums.
+``kvscope_metric_label_values_folded_total{label}`` counts the distinct values folded per label
+(``engine``, ``model``).
+
+The process: ``process_resident_memory_bytes``, ``process_start_time_seconds`` and the other
+``process_*`` metrics of prometheus_client's ``ProcessCollector``; ``kvscope_duckdb_memory_bytes``
+(DuckDB's buffer-manager memory, read at scrape time through
+:meth:`AgentMetrics.set_duckdb_memory_source`; absent while no store is open).
+:mod:`agent.process_metrics` has the details.
+
+:meth:`AgentMetrics.exposition` renders everything; ``GET /metrics`` calls it in a worker thread,
+so a slow scrape never holds the event loop (ingest, ``/healthz``).
+
+Split out: :class:`BulkHistogram` and :func:`bucket_counts` (:mod:`agent.bulk_histogram`),
+:class:`BatchSummary` and :func:`summarize_tables` (:mod:`agent.batch_summary`); they are
+importable from here as before.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from agent.ingest import RECOVERING_OUTCOMES, RECOVERY_BUCKETS, IngestOutcome
-from engine.events import Outcome
+from agent.batch_summary import TTFT_BUCKETS, BatchSummary, Labels, summarize_tables
+from agent.bulk_histogram import BulkHistogram, bucket_counts
+from agent.ingest import RECOVERY_BUCKETS, IngestOutcome
+from agent.label_cap import DEFAULT_MAX_VALUES, LabelCap, SeriesFolder
+from agent.process_metrics import SourcedGauge, register_process_collector
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-"""Upper bounds (seconds) of ``kvscope_request_ttft_seconds``."""
+__all__ = [
+    "LAG_BUCKETS",
+    "REJECT_REASONS",
+    "TTFT_BUCKETS",
+    "AgentMetrics",
+    "BatchSummary",
+    "BulkHistogram",
+    "HitSums",
+    "Labels",
+    "SeriesKey",
+    "bucket_counts",
+    "summarize_tables",
+]
+
 LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Upper bounds (seconds) of ``kvscope_ingest_lag_seconds``."""
 REJECT_REASONS = (
@@ -57,174 +87,39 @@ REJECT_REASONS = (
     "decode_error",
 )
 """Label values of ``kvscope_ingest_rejected_batches_total``."""
+CAPPED_LABELS = ("engine", "model")
+"""The free-form labels (values from the events) whose distinct values :class:`LabelCap` bounds."""
 
-
-class BulkHistogram(Collector):
-    """A Prometheus histogram observed many values at a time (a whole flush).
-
-    Buckets are cumulative at exposition (``le``, then ``+Inf``); ``_sum`` and ``_count`` as
-    ``prometheus_client.Histogram``. Thread-safe.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str],
-        buckets: Sequence[float],
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self.bounds = np.asarray(buckets, dtype=np.float64)
-        self._series: dict[tuple[str, ...], tuple[np.ndarray, list[float]]] = {}
-        self._lock = threading.Lock()
-        registry.register(self)
-
-    def observe_many(self, labels: tuple[str, ...], values: np.ndarray) -> None:
-        """Observe every value of ``values`` (seconds) under ``labels``."""
-        if values.size:
-            self.add_counts(labels, bucket_counts(self.bounds, values), float(values.sum()))
-
-    def add_counts(self, labels: tuple[str, ...], counts: Sequence[int], total: float) -> None:
-        """Add per-bucket (not cumulative) ``counts`` — one per bound plus ``+Inf`` — and their
-        values' ``total`` under ``labels``."""
-        if len(labels) != len(self.labelnames):
-            raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {labels}")
-        if len(counts) != len(self.bounds) + 1:
-            raise ValueError(f"{self.name}: expected {len(self.bounds) + 1} bucket counts, got {len(counts)}")
-        with self._lock:
-            series = self._series.get(labels)
-            if series is None:
-                series = self._series[labels] = (np.zeros(len(self.bounds) + 1, np.int64), [0.0])
-            series[0][:] += np.asarray(counts, dtype=np.int64)
-            series[1][0] += total
-
-    def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        with self._lock:
-            snapshot = [(k, c.copy(), s[0]) for k, (c, s) in self._series.items()]
-        for labels, counts, total in snapshot:
-            cumulative = np.cumsum(counts)
-            buckets = [(_le(b), float(n)) for b, n in zip(self.bounds, cumulative[:-1], strict=True)]
-            buckets.append(("+Inf", float(cumulative[-1])))
-            family.add_metric(list(labels), buckets, total)
-        yield family
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
-
-
-def bucket_counts(bounds: Sequence[float] | np.ndarray, values: np.ndarray) -> list[int]:
-    """Per-bucket counts of ``values`` for upper ``bounds`` (a value equal to a bound falls in
-    that bound's bucket, as Prometheus's ``le``), plus the ``+Inf`` bucket last."""
-    edges = np.asarray(bounds, dtype=np.float64)
-    counts = np.bincount(np.searchsorted(edges, values, side="left"), minlength=len(edges) + 1)
-    return [int(c) for c in counts]
-
-
-Labels = tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BatchSummary:
-    """What a stored batch adds to the event metrics, computed where the batch is decoded (a
-    decode process or thread) so the agent's main process only adds numbers. Picklable.
-
-    ``lookups``: (engine, model, form, tier, outcome) → count and hash-hit / usable / recoverable
-    token sums; ``invalidations``: (engine, model, form, reason) → count; ``recovery``: (engine,
-    model, form, tier) → recovery-seconds bucket counts and sum (outcomes recovered/replayed);
-    ``requests``: (engine, model) → count and prompt / hash-hit / recoverable / replayed /
-    recomputed token sums; ``ttft``: (engine, model) → TTFT bucket counts and sum; ``ts_micros``:
-    every event's ``ts`` (for the ingest lag once the commit time is known).
-    """
-
-    lookups: list[tuple[Labels, int, int, int, int]] = field(default_factory=list)
-    invalidations: list[tuple[Labels, int]] = field(default_factory=list)
-    recovery: list[tuple[Labels, list[int], float]] = field(default_factory=list)
-    requests: list[tuple[Labels, int, int, int, int, int, int]] = field(default_factory=list)
-    ttft: list[tuple[Labels, list[int], float]] = field(default_factory=list)
-    ts_micros: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-
-
-_REQUEST_SUMS = ("prompt_tokens", "hash_hit_tokens", "recoverable_tokens", "replayed_tokens", "recomputed_tokens")
-
-
-def summarize_tables(tables: Mapping[str, pa.Table]) -> BatchSummary:
-    """The :class:`BatchSummary` of one batch's prepared tables (table name → rows)."""
-    summary = BatchSummary()
-    lookups = tables.get("cache_lookups")
-    if lookups is not None:
-        keys = ["engine_id", "model", "form", "tier", "outcome"]
-        aggregations = [
-            ([], "count_all"),
-            ("hash_hit_tokens", "sum"),
-            ("usable_tokens", "sum"),
-            ("recoverable_tokens", "sum"),
-        ]
-        for row in lookups.group_by(keys, use_threads=False).aggregate(aggregations).to_pylist():
-            summary.lookups.append(
-                (
-                    tuple(row[k] for k in keys),
-                    row["count_all"],
-                    row["hash_hit_tokens_sum"],
-                    row["usable_tokens_sum"],
-                    row["recoverable_tokens_sum"],
-                )
-            )
-        invalidated = lookups.filter(pc.equal(lookups["outcome"], Outcome.INVALIDATED.value))
-        keys = ["engine_id", "model", "form", "reason"]
-        for row in invalidated.group_by(keys, use_threads=False).aggregate([([], "count_all")]).to_pylist():
-            summary.invalidations.append((tuple(row[k] for k in keys), row["count_all"]))
-        recovering = lookups.filter(pc.is_in(lookups["outcome"], pa.array(RECOVERING_OUTCOMES)))
-        summary.recovery.extend(
-            _histogram_groups(recovering, ("engine_id", "model", "form", "tier"), "recovery_seconds", RECOVERY_BUCKETS)
-        )
-    requests = tables.get("requests")
-    if requests is not None:
-        aggregations = [([], "count_all"), *((name, "sum") for name in _REQUEST_SUMS)]
-        grouped = requests.group_by(["engine_id", "model"], use_threads=False).aggregate(aggregations)
-        for row in grouped.to_pylist():
-            summary.requests.append(
-                (
-                    (row["engine_id"], row["model"]),
-                    row["count_all"],
-                    *(row[f"{name}_sum"] for name in _REQUEST_SUMS),
-                )
-            )
-        summary.ttft.extend(_histogram_groups(requests, ("engine_id", "model"), "ttft_seconds", TTFT_BUCKETS))
-    stamps = [t["ts"].cast(pa.int64()).to_numpy() for t in tables.values()]
-    if stamps:
-        object.__setattr__(summary, "ts_micros", np.concatenate(stamps))
-    return summary
-
-
-def _histogram_groups(
-    table: pa.Table, label_columns: Sequence[str], value_column: str, bounds: Sequence[float]
-) -> list[tuple[Labels, list[int], float]]:
-    if table.num_rows == 0:
-        return []
-    grouped = table.group_by(list(label_columns), use_threads=False).aggregate([(value_column, "list")])
-    values = grouped[f"{value_column}_list"]
-    labels = [grouped[c].to_pylist() for c in label_columns]
-    out: list[tuple[Labels, list[int], float]] = []
-    for i in range(grouped.num_rows):
-        array = np.asarray(values[i].values.to_numpy(zero_copy_only=False), dtype=np.float64)
-        out.append((tuple(str(column[i]) for column in labels), bucket_counts(bounds, array), float(array.sum())))
-    return out
 
 SeriesKey = tuple[str, str]
 """(engine, model)."""
+HitSums = tuple[float, float]
+"""(recoverable tokens, prompt tokens) of one series over the ratio gauge's minute."""
 
 
 class AgentMetrics:
-    """The agent's metrics and the registry exposing them (a fresh registry per instance)."""
+    """The agent's metrics and the registry exposing them (a fresh registry per instance).
 
-    def __init__(self) -> None:
+    Args:
+        label_max_values: distinct values kept per free-form label (``engine``, ``model``); later
+            values are folded into ``other`` (:mod:`agent.label_cap`). The agent passes
+            ``metric_label_max_values``.
+
+    Raises:
+        ValueError: ``label_max_values`` < 1.
+    """
+
+    def __init__(self, *, label_max_values: int = DEFAULT_MAX_VALUES) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.label_cap = LabelCap(CAPPED_LABELS, label_max_values, r)
+        register_process_collector(r)
+        self.duckdb_memory = SourcedGauge(
+            "kvscope_duckdb_memory_bytes",
+            "Memory DuckDB's buffer manager holds now (sum of duckdb_memory().memory_usage_bytes); "
+            "absent while no store is open.",
+            r,
+        )
         lookup_labels = ("engine", "model", "form", "tier", "outcome")
         self.cache_lookups = Counter(
             "kvscope_cache_lookups_total",
@@ -352,7 +247,8 @@ class AgentMetrics:
         self._ratio_series: set[SeriesKey] = set()
 
     def exposition(self) -> bytes:
-        """The text exposition format of this registry (``GET /metrics``)."""
+        """The text exposition format of this registry (``GET /metrics``). It reads every
+        collector, scrape-time sources included (DuckDB's memory): call it off the event loop."""
         return generate_latest(self.registry)
 
     def observe_rejected(self, reason: str = "invalid") -> None:
@@ -371,10 +267,18 @@ class AgentMetrics:
         received) at every scrape."""
         self.missing_batches.set_function(lambda: float(sum(missing().values())))
 
+    def set_duckdb_memory_source(self, memory_bytes: Callable[[], float | None]) -> None:
+        """Read ``kvscope_duckdb_memory_bytes`` from ``memory_bytes`` at every scrape (``None``
+        or an exception: absent from that scrape; see
+        :func:`agent.process_metrics.duckdb_memory_bytes`)."""
+        self.duckdb_memory.set_source(memory_bytes)
+
     def observe_ingest(self, outcome: IngestOutcome, summary: BatchSummary) -> None:
         """Count one committed batch: its status, and for a stored batch every event counter
         and histogram from its ``summary``; the ingest-lag histogram uses
-        ``outcome.committed_at``. (Seq gaps are counted by the flusher.)"""
+        ``outcome.committed_at``. (Seq gaps are counted by the flusher.) Engine and model pass
+        through the label cap; rows that fold onto one series are summed first, so the work per
+        batch is one counter update per series, not per distinct value."""
         if outcome.status == "conflict":
             self.ingest_batches.labels(status="rejected").inc()
             self.rejected_batches.labels(reason="seq_conflict").inc()
@@ -384,35 +288,49 @@ class AgentMetrics:
             return
         for kind, n in outcome.events_by_kind.items():
             self.ingest_events.labels(kind=kind).inc(n)
-        for labels, count, hash_hit, usable, recoverable in summary.lookups:
-            self.cache_lookups.labels(*labels).inc(count)
-            self.lookup_hash_hit_tokens.labels(*labels).inc(hash_hit)
-            self.lookup_usable_tokens.labels(*labels).inc(usable)
-            self.lookup_recoverable_tokens.labels(*labels).inc(recoverable)
-        for labels, count in summary.invalidations:
+        fold = SeriesFolder(self.label_cap, CAPPED_LABELS)
+        lookup_counters = (
+            self.cache_lookups,
+            self.lookup_hash_hit_tokens,
+            self.lookup_usable_tokens,
+            self.lookup_recoverable_tokens,
+        )
+        for labels, sums in fold.sums(summary.lookups).items():
+            for counter, value in zip(lookup_counters, sums, strict=True):
+                counter.labels(*labels).inc(value)
+        for labels, (count,) in fold.sums(summary.invalidations).items():
             self.invalidations.labels(*labels).inc(count)
-        for labels, counts, total in summary.recovery:
+        for labels, (counts, total) in fold.histograms(summary.recovery).items():
             self.recovery_seconds.add_counts(labels, counts, total)
-        token_counters = (
+        request_counters = (
+            self.requests,
             self.prompt_tokens,
             self.hash_hit_tokens,
             self.recoverable_tokens,
             self.replayed_tokens,
             self.recomputed_tokens,
         )
-        for labels, count, *sums in summary.requests:
-            self.requests.labels(*labels).inc(count)
-            for counter, value in zip(token_counters, sums, strict=True):
+        for labels, sums in fold.sums(summary.requests).items():
+            for counter, value in zip(request_counters, sums, strict=True):
                 counter.labels(*labels).inc(value)
-        for labels, counts, total in summary.ttft:
+        for labels, (counts, total) in fold.histograms(summary.ttft).items():
             self.request_ttft_seconds.add_counts(labels, counts, total)
         if outcome.committed_at and summary.ts_micros.size:
             lag = np.maximum(outcome.committed_at - summary.ts_micros / 1e6, 0.0)
             self.ingest_lag_seconds.observe_many((), lag)
 
-    def set_recoverable_hit_ratios(self, ratios: Mapping[SeriesKey, float]) -> None:
-        """Replace the gauge's series: set every (engine, model) in ``ratios``, remove the ones
-        that had a value before but not now (no data is absent, not 0)."""
+    def set_recoverable_hit_ratios(self, sums: Mapping[SeriesKey, HitSums]) -> None:
+        """Replace the gauge's series from each (engine, model)'s (recoverable tokens, prompt
+        tokens) of the last minute: the gauge is their ratio. Series the label cap folds onto
+        one (``other``) are summed before dividing, so ``other`` is the folded series' exact
+        ratio of sums. A series with no prompt tokens, or that had a value before but not now,
+        is removed (no data is absent, not 0)."""
+        folded = SeriesFolder(self.label_cap, CAPPED_LABELS).sums((key, recoverable, prompt) for key, (recoverable, prompt) in sums.items())
+        ratios: dict[SeriesKey, float] = {
+            (labels[0], labels[1]): recoverable / prompt
+            for labels, (recoverable, prompt) in folded.items()
+            if prompt > 0
+        }
         for key in self._ratio_series - ratios.keys():
             self.recoverable_hit_ratio.remove(*key)
         for key, ratio in ratios.items():

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -93,6 +94,9 @@ class Ingestor:
         full_policy: ``reject`` or ``block`` (see the module docstring).
         block_timeout_seconds: how long ``block`` waits for room.
         flush_max_events: events one transaction takes at most (≥ 1).
+        on_committed: called with a flush's outcomes after its commit and before any of its
+            answers is sent (the acknowledgement log of :mod:`agent.durability`); when it raises,
+            the flush's batches are answered 503 (they are committed: a re-send is a duplicate).
 
     Raises:
         ValueError: a limit below 1 or an unknown policy.
@@ -108,6 +112,7 @@ class Ingestor:
         full_policy: FullPolicy = "reject",
         block_timeout_seconds: float = 5.0,
         flush_max_events: int = 50_000,
+        on_committed: Callable[[Sequence[IngestOutcome]], None] | None = None,
     ) -> None:
         if max_queue_events < 1 or flush_max_events < 1:
             raise ValueError("max_queue_events and flush_max_events must be >= 1")
@@ -119,6 +124,7 @@ class Ingestor:
         self.full_policy: FullPolicy = full_policy
         self.block_timeout_seconds = block_timeout_seconds
         self.flush_max_events = flush_max_events
+        self.on_committed = on_committed
         self.tracker = SeqTracker.load(store)
         self._last_stamp: datetime | None = latest_ingested_at(store)
         self._queue: deque[_Item] = deque()
@@ -227,6 +233,14 @@ class Ingestor:
                 self.metrics.observe_rejected("store_error")
                 _settle(group[0].future, error=exc if isinstance(exc, duckdb.Error | StoreClosedError) else StoreWriteError(str(exc)))
                 continue
+            if self.on_committed is not None:
+                try:
+                    self.on_committed(outcomes)
+                except Exception as exc:
+                    log.exception("recording the acknowledgement of %d committed batches failed", len(group))
+                    for item in group:
+                        _settle(item.future, error=StoreWriteError(f"acknowledgement log: {exc}"))
+                    continue
             for item, outcome in zip(group, outcomes, strict=True):
                 if outcome.gap is not None:
                     self.metrics.seq_gaps.inc()

@@ -22,9 +22,10 @@ import uvicorn
 
 from agent.app import create_app
 from agent.config import AgentConfig
+from agent.health import Health
 from agent.maintenance import MaintenanceScheduler
 from agent.metrics import AgentMetrics
-from agent.store import Store
+from agent.startup import open_guarded_store
 from alerts.notifier import Notifier
 from alerts.notify_config import DEFAULT_NOTIFY_PATH, load_notify_config
 from alerts.rule_scheduler import RuleScheduler
@@ -39,7 +40,9 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
     shuts down as on SIGTERM).
 
     Raises:
-        duckdb.Error: the store cannot be opened (for example another agent holds the file).
+        agent.wal_guard.DatabaseUnusableError: the database cannot be opened even without its
+            WAL, or another agent holds the file (the message names the process).
+        duckdb.Error: the store cannot be opened or migrated.
         OSError: the port cannot be bound.
         alerts.rulefile.RuleFileError: ``config.alert_rules_file`` cannot be used.
         alerts.notify_config.NotifyConfigError: ``config.alert_notify_file`` cannot be used.
@@ -47,10 +50,19 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
     rules = load_rule_file(config.alert_rules_file or DEFAULT_RULES_PATH)
     notify = load_notify_config(config.alert_notify_file or DEFAULT_NOTIFY_PATH, data_dir=config.data_dir)
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    store = Store.open(config.db_path, wal_autocheckpoint_bytes=config.checkpoint_wal_bytes)
+    metrics = AgentMetrics(label_max_values=config.metric_label_max_values)
+    health = Health()
+    guarded = open_guarded_store(
+        config.db_path,
+        health=health,
+        registry=metrics.registry,
+        wal_autocheckpoint_bytes=config.checkpoint_wal_bytes,
+        store_options={"memory_limit_bytes": config.duckdb_memory_limit_bytes, "threads": config.duckdb_threads},
+    )
+    store, durability = guarded.store, guarded.durability
     try:
-        metrics = AgentMetrics()
-        app = create_app(config, store, metrics=metrics)
+        app = create_app(config, store, metrics=metrics, health=health, durability=durability)
+        guarded.start()
         app.state.decoder.warm_up()
         server = uvicorn.Server(
             uvicorn.Config(
@@ -61,7 +73,7 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
                 lifespan="on",
             )
         )
-        maintenance = MaintenanceScheduler(store, config, metrics)
+        maintenance = MaintenanceScheduler(store, config, metrics, checkpoint=durability.checkpoint)
         notifier = Notifier(store=store, config=notify, registry=metrics.registry, external_url=config.agent_url)
         rule_scheduler = RuleScheduler(
             store=store,
@@ -75,6 +87,7 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
             timeout_seconds=config.sql_timeout_seconds,
         )
         app.state.active_alerts = rule_scheduler.active_alerts
+        app.state.missed_evaluations = rule_scheduler.missed.counts
         maintenance.start(parent_pid=parent_pid, on_parent_exit=lambda: setattr(server, "should_exit", True))
         try:
             rule_scheduler.start()
@@ -88,6 +101,11 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
             app.state.ingestor.close()
             app.state.decoder.shutdown()
     finally:
+        try:
+            durability.checkpoint()
+        except Exception:  # the close below checkpoints again and raises what is wrong
+            log.exception("the last checkpoint failed")
+        durability.ack_log.close()
         store.close()
         log.info("agent stopped; store %s checkpointed and closed", config.db_path)
 

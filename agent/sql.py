@@ -15,7 +15,11 @@ Rules, in the order they apply:
    computed); ``truncated`` says whether more existed.
 5. **Time limit.** A timer thread calls ``interrupt()`` on the query's cursor after
    ``timeout_seconds``; the query stops and :class:`SqlTimeout` (HTTP 408) is raised. The time
-   limit covers execution and fetching.
+   limit covers execution and fetching. :func:`run_read_query` runs the query on a worker thread
+   (:mod:`agent.deadline`), so the 408 comes at the limit even for one long function call that
+   DuckDB can only stop when the call returns; the worker ends later and then calls ``on_done``.
+6. **UTC.** The store's connections use ``TimeZone = 'UTC'`` (:mod:`agent.duckdb_settings`),
+   so ``now()`` and timestamp arithmetic do not depend on the host's time zone.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ import contextlib
 import csv
 import io
 import json
-import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
@@ -37,6 +40,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from agent.deadline import INTERRUPT_GRACE_SECONDS, Deadline, StillRunning, run_in_worker
 from agent.store import Store
 
 ResultFormat = Literal["json", "csv", "arrow"]
@@ -159,11 +163,39 @@ def run_read_query(
     *,
     row_limit: int,
     timeout_seconds: float,
+    on_done: Callable[[], None] | None = None,
+    untrusted: bool = False,
 ) -> ResultSet:
     """Run one SELECT (already admitted by :func:`check_read_only`, or a trusted named query)
-    with ``$name`` parameters on a fresh cursor of the store; see :func:`run_on_connection`."""
-    with store.cursor() as cur:
-        return run_on_connection(cur, sql, parameters, row_limit=row_limit, timeout_seconds=timeout_seconds)
+    with ``$name`` parameters on a fresh cursor of the store, on a worker thread; see
+    :func:`run_on_connection`.
+
+    The answer comes by ``timeout_seconds`` (plus a 0.1 s grace for the interrupt to land)
+    even when the query cannot be stopped at once; it then goes on until DuckDB returns.
+    ``on_done`` is called exactly once, when the query has really ended (see
+    :func:`agent.deadline.run_in_worker`). ``untrusted``: ``sql`` came from a user; it is admitted
+    with :func:`check_read_only` first, on the worker thread (at its lower CPU priority).
+
+    Raises:
+        SqlError, SqlTimeout, ValueError: as :func:`run_on_connection`; :class:`SqlTimeout` also
+            when the query still runs at the limit.
+        SqlForbidden: ``untrusted`` and not a single read statement.
+    """
+
+    def work() -> ResultSet:
+        if untrusted:
+            check_read_only(sql)
+        with store.cursor() as cur:
+            return run_on_connection(cur, sql, parameters, row_limit=row_limit, timeout_seconds=timeout_seconds)
+
+    try:
+        return run_in_worker(work, wait_seconds=timeout_seconds + INTERRUPT_GRACE_SECONDS, on_done=on_done)
+    except StillRunning:
+        raise SqlTimeout(
+            f"query exceeded the time limit of {timeout_seconds:g} s; it was interrupted but is one "
+            "long function call that ends only when that call returns (it keeps its query slot "
+            "until then)"
+        ) from None
 
 
 def run_on_connection(
@@ -185,7 +217,7 @@ def run_on_connection(
     """
     if row_limit < 1:
         raise ValueError(f"row_limit must be >= 1, got {row_limit}")
-    guard = _Deadline(cur, timeout_seconds)
+    guard = Deadline(cur, timeout_seconds)
     cur.execute("BEGIN TRANSACTION READ ONLY")
     try:
         guard.start()
@@ -236,33 +268,6 @@ def run_on_connection(
 
 def _quote(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
-
-
-class _Deadline:
-    """Interrupts ``cursor`` after ``seconds`` unless stopped first; ``fired`` tells whether it
-    did. The lock makes sure no interrupt lands after :meth:`stop` returned."""
-
-    def __init__(self, cursor: duckdb.DuckDBPyConnection, seconds: float) -> None:
-        self._cursor = cursor
-        self._lock = threading.Lock()
-        self._done = False
-        self.fired = False
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
-
-    def start(self) -> None:
-        self._timer.start()
-
-    def _fire(self) -> None:
-        with self._lock:
-            if not self._done:
-                self.fired = True
-                self._cursor.interrupt()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._done = True
-        self._timer.cancel()
 
 
 def render(result: ResultSet, fmt: ResultFormat) -> bytes:

@@ -6,7 +6,9 @@ Contract:
   :mod:`agent.migrations`, then disables external access and locks the configuration for the
   whole database instance. Both settings are one-way: after them no statement on any cursor can
   read or write files outside the database (``read_csv``, ``COPY``, ``ATTACH``, ``INSTALL``) or
-  change a setting. Python objects registered on a cursor (Arrow tables) stay readable.
+  change a setting. Python objects registered on a cursor (Arrow tables) stay readable. Before
+  that it sets the session time zone to UTC, the memory limit and the threads for the instance
+  (:mod:`agent.duckdb_settings`), so every cursor sees them.
 * One writer: :meth:`Store.transaction` holds a lock for the whole transaction, so writes are
   serialised; it commits on normal exit and rolls back on any exception.
 * Readers use :meth:`Store.cursor`: a fresh cursor (DuckDB connection to the same instance) per
@@ -17,7 +19,7 @@ Contract:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,6 +28,7 @@ from typing import Self
 
 import duckdb
 
+from agent.duckdb_settings import apply_instance_settings
 from agent.migrations import MIGRATIONS, Migration
 
 
@@ -77,6 +80,8 @@ class Store:
         self._con: duckdb.DuckDBPyConnection | None = con
         self._write_lock = threading.Lock()
         self._cursor_lock = threading.Lock()
+        self._cursors_closed = threading.Condition(self._cursor_lock)
+        self._open_cursors = 0
 
     @classmethod
     def open(
@@ -85,11 +90,16 @@ class Store:
         migrations: tuple[Migration, ...] = MIGRATIONS,
         *,
         wal_autocheckpoint_bytes: int | None = None,
+        memory_limit_bytes: int | None = None,
+        threads: int | None = None,
     ) -> Self:
         """Open ``path`` (parent folders are created), migrate it, lock it down.
 
         ``wal_autocheckpoint_bytes`` sets DuckDB's ``wal_autocheckpoint`` (checkpoint when the WAL
         reaches that size) before the configuration is locked; ``None`` keeps DuckDB's default.
+        Every cursor of the store uses ``TimeZone = 'UTC'`` whatever the host's time zone, and
+        ``memory_limit_bytes`` / ``threads`` (``None``: half of RAM / one fewer than the CPUs);
+        see :mod:`agent.duckdb_settings`.
 
         Raises:
             duckdb.Error: the file cannot be opened (for example another process holds it) or a
@@ -100,6 +110,7 @@ class Store:
         path.parent.mkdir(parents=True, exist_ok=True)
         con = duckdb.connect(str(path))
         try:
+            apply_instance_settings(con, memory_limit_bytes=memory_limit_bytes, threads=threads)
             report = _migrate(con, migrations)
             if wal_autocheckpoint_bytes is not None:
                 con.execute(f"SET wal_autocheckpoint = '{int(wal_autocheckpoint_bytes)}B'")
@@ -128,10 +139,14 @@ class Store:
         """A fresh cursor for reading, closed on exit. Use it from one thread only."""
         with self._cursor_lock:
             cur = self._connection().cursor()
+            self._open_cursors += 1
         try:
             yield cur
         finally:
             cur.close()
+            with self._cursor_lock:
+                self._open_cursors -= 1
+                self._cursors_closed.notify_all()
 
     @contextmanager
     def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -149,21 +164,30 @@ class Store:
                 raise
             cur.execute("COMMIT")
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, *, after: Callable[[], None] | None = None) -> None:
         """Fold the WAL into the database file (``CHECKPOINT``), holding the writer lock so no
-        write transaction of this store is open meanwhile.
+        write transaction of this store is open meanwhile; ``after`` runs once the checkpoint
+        succeeded, still under the lock (what :mod:`agent.durability` marks durable).
 
         Raises:
-            duckdb.Error, StoreClosedError: the store failed or is closed.
+            duckdb.Error, StoreClosedError: the store failed or is closed (``after`` not run).
         """
         with self._write_lock, self.cursor() as cur:
             cur.execute("CHECKPOINT")
+            if after is not None:
+                after()
 
-    def close(self) -> None:
-        """Checkpoint (fold the WAL into the file) and close. Idempotent."""
+    def close(self, *, cursor_wait_seconds: float = 30.0) -> None:
+        """Checkpoint (fold the WAL into the file) and close. Idempotent.
+
+        First waits up to ``cursor_wait_seconds`` for open cursors to close: DuckDB refuses to
+        close a connection while one of its cursors still runs, as a query answered 408 at its
+        time limit may (one long function call, :mod:`agent.deadline`).
+        """
         with self._write_lock, self._cursor_lock:
             if self._con is None:
                 return
+            self._cursors_closed.wait_for(lambda: self._open_cursors == 0, timeout=cursor_wait_seconds)
             con, self._con = self._con, None
             try:
                 con.execute("CHECKPOINT")

@@ -14,8 +14,9 @@ Two paths, both run by the rule scheduler after each evaluation:
   neither re-pages nor forgets an owed resolve.
 * :meth:`Notifier.push` — Prometheus's job: the alerts of the evaluated rule group go to every
   configured Alertmanager (``POST /api/v2/alerts``) at each evaluation, firing ones with an
-  ``endsAt`` lease of ``lease_intervals`` evaluation intervals, resolved ones with their resolve
-  time for ``resolve_resend`` after it. Failures are logged, counted and written to ``alerts``.
+  ``endsAt`` lease of ``lease_intervals`` evaluation intervals plus ``restart_margin``
+  (:meth:`alerts.notify_config.Delivery.lease_seconds`), resolved ones with their resolve time
+  for ``resolve_resend`` after it. Failures are logged, counted and written to ``alerts``.
 
 Metrics: ``kvscope_alert_notifications_total`` / ``kvscope_alert_notifications_failed_total``
 (by receiver and integration) and ``kvscope_alertmanager_alerts_sent_total`` /
@@ -469,7 +470,7 @@ class Notifier:
             now=now,
             starts_at={o.alert.fingerprint: o.starts_at for o in batch},
             ends_at={o.alert.fingerprint: o.resolved_at for o in batch if o.resolved_at is not None},
-            lease_seconds=d.lease_intervals * interval_seconds,
+            lease_seconds=d.lease_seconds(interval_seconds),
             generator_url=self.external_url,
         )
 

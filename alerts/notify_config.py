@@ -32,6 +32,7 @@ Five top-level keys; ``route`` (with its ``receiver``) is required, the others a
       backoff: 500ms            # doubled per retry, capped at max_backoff
       max_backoff: 5s
       lease_intervals: 4        # Alertmanager API: a firing alert's endsAt = now + 4 intervals
+      restart_margin: 5m        # ... + this, so an agent restart cannot lapse the lease
       resolve_resend: 5m        # ... and a resolve is re-sent for this long
 
 Routed receivers (``receivers``) get Alertmanager's grouping, timers, inhibition and silences;
@@ -113,6 +114,10 @@ class AlertmanagerTarget:
     """Base URL; alerts go to ``{url}/api/v2/alerts``."""
 
 
+MAX_RESTART_MARGIN_SECONDS = 86400.0
+"""Longest ``restart_margin`` accepted (a day: beyond it a dead agent's alerts linger too long)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Delivery:
     timeout_seconds: float = 10.0
@@ -120,7 +125,21 @@ class Delivery:
     backoff_seconds: float = 0.5
     max_backoff_seconds: float = 5.0
     lease_intervals: float = 4.0
+    restart_margin_seconds: float = 300.0
+    """Added to every Alertmanager lease: the longest agent restart (stop to the re-push at
+    start-up) that must not resolve a firing alert. 5 minutes is the cap of Kubernetes'
+    crash-loop back-off (kubelet doubles a restarting container's delay from 10 s up to 300 s);
+    a systemd ``Restart=`` takes well under that. The price: an agent that stops for good leaves
+    its firing alerts in Alertmanager this much longer before they resolve."""
     resolve_resend_seconds: float = 300.0
+
+    def lease_seconds(self, interval_seconds: float) -> float:
+        """A firing alert's ``endsAt`` lease in seconds for a rule group evaluated every
+        ``interval_seconds``: ``lease_intervals`` intervals (Prometheus sends 4 × the resend
+        delay) plus ``restart_margin_seconds``. An agent that dies just before an evaluation and
+        re-pushes at start-up (:meth:`alerts.rule_scheduler.RuleScheduler.start`) keeps its
+        alerts if it is back within ``(lease_intervals − 1) × interval + restart_margin``."""
+        return self.lease_intervals * interval_seconds + self.restart_margin_seconds
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -281,7 +300,7 @@ def _receiver(raw: object, where: str, data_dir: Path) -> Receiver:
 
 
 def _delivery(raw: object, where: str) -> Delivery:
-    keys = {"timeout", "attempts", "backoff", "max_backoff", "lease_intervals", "resolve_resend"}
+    keys = {"timeout", "attempts", "backoff", "max_backoff", "lease_intervals", "restart_margin", "resolve_resend"}
     doc = _mapping(raw if raw is not None else {}, where, keys)
     d = Delivery()
     attempts = doc.get("attempts", d.attempts)
@@ -290,15 +309,19 @@ def _delivery(raw: object, where: str) -> Delivery:
     lease = doc.get("lease_intervals", d.lease_intervals)
     if isinstance(lease, bool) or not isinstance(lease, int | float) or not 2 <= lease <= 100:
         raise NotifyConfigError(f"{where}: field lease_intervals: expected a number in [2, 100], got {lease!r}")
-    values = {name: _duration(doc, name, where) for name in ("timeout", "backoff", "max_backoff", "resolve_resend") if name in doc}
+    durations = ("timeout", "backoff", "max_backoff", "restart_margin", "resolve_resend")
+    values = {name: _duration(doc, name, where) for name in durations if name in doc}
     if values.get("timeout", 1) <= 0:
         raise NotifyConfigError(f"{where}: field timeout: must be positive")
+    if values.get("restart_margin", 0) > MAX_RESTART_MARGIN_SECONDS:
+        raise NotifyConfigError(f"{where}: field restart_margin: at most 1d, got {doc['restart_margin']!r}")
     return Delivery(
         timeout_seconds=values.get("timeout", d.timeout_seconds),
         attempts=attempts,
         backoff_seconds=values.get("backoff", d.backoff_seconds),
         max_backoff_seconds=values.get("max_backoff", d.max_backoff_seconds),
         lease_intervals=float(lease),
+        restart_margin_seconds=values.get("restart_margin", d.restart_margin_seconds),
         resolve_resend_seconds=values.get("resolve_resend", d.resolve_resend_seconds),
     )
 

@@ -19,6 +19,12 @@ run is never doubled up. A run of a group:
 :meth:`RuleScheduler.start` first restores the state from ``alert_state`` and the notification
 log from ``alert_groups``, so a restart neither re-pages nor loses pending time; alerts the file
 can no longer produce (a rule removed, or its labels or burn windows changed) are resolved then.
+Its first job (:meth:`RuleScheduler.resend`, at once, before any group can have evaluated) pushes
+every restored firing alert to the Alertmanagers with a fresh lease, and those resolves, so an
+alert whose last lease was about to run out while the agent was down is not resolved by
+Alertmanager and then fired again (issue 19). A group's pushes are serialised, so that re-push
+never lands after a newer evaluation's. Evaluations due and not run (misfired, overrun,
+coalesced) are counted by :class:`alerts.missed_evaluations.MissedEvaluations`.
 
 Exactly one scheduler per agent: :func:`agent.server.serve` starts it next to uvicorn (not in
 the ASGI app, so no server worker or reload can start a second), and the agent holds the DuckDB
@@ -30,25 +36,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import UTC
 from pathlib import Path
 
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.store import Store
-from alerts.alert_store import (
-    alert_row,
-    append_jsonl,
-    insert_alert_rows,
-    load_rule_state,
-    save_rule_state,
-)
+from alerts.alert_store import load_rule_state
 from alerts.inputs import ExprError, collect_inputs
+from alerts.missed_evaluations import MissedEvaluations
 from alerts.notifier import Notifier, OutgoingAlert
 from alerts.routing import Alert
 from alerts.rule_eval import (
@@ -62,43 +64,14 @@ from alerts.rule_eval import (
     fingerprint,
 )
 from alerts.rulefile import HitRateBelow, Rule, RuleFile, RuleGroup, render_template
+from alerts.transitions import append_log, save
 
 log = logging.getLogger(__name__)
 
-def save(store: Store, before: dict[str, AlertState], after: dict[str, AlertState], notes: Sequence[Notification], now: float) -> None:
-    """Write the state changes between ``before`` and ``after`` and the transitions, in one
-    transaction."""
-    if not notes and all(before.get(fp) == st for fp, st in after.items()) and set(before) <= set(after):
-        return
-    alerts = [
-        alert_row(
-            at=n.at, alert=n.alert, fingerprint=n.fingerprint, state=n.status.value, value=n.value, labels=n.labels,
-            summary=n.annotations.get("summary", ""), description=n.annotations.get("description", ""),
-        )
-        for n in notes
-    ]
-    with store.transaction() as cur:
-        save_rule_state(cur, before, after, now)
-        insert_alert_rows(cur, alerts)
 
-
-def append_log(path: Path, notes: Sequence[Notification]) -> None:
-    """The transition log: one JSON line per firing or resolve."""
-    append_jsonl(
-        path,
-        [
-            {
-                "at": n.at,
-                "alert": n.alert,
-                "fingerprint": n.fingerprint,
-                "status": n.status.value,
-                "labels": dict(n.labels),
-                "value": n.value,
-                "annotations": dict(n.annotations),
-            }
-            for n in notes
-        ],
-    )
+def job_id(group: RuleGroup) -> str:
+    """The APScheduler job id of ``group``'s evaluations."""
+    return f"kvscope-rules-{group.name}"
 
 
 DEFAULT_INTERVAL_SECONDS = 60.0
@@ -113,8 +86,8 @@ class RuleScheduler:
         store: the agent's store.
         rules: the loaded rule file.
         log_path: the transition log's file (one JSON line per firing or resolve).
-        registry: where ``kvscope_alert_rule_failures_total`` and ``kvscope_alerts`` are
-            registered.
+        registry: where ``kvscope_alert_rule_failures_total``, ``kvscope_alerts`` and
+            ``kvscope_alert_evaluations_missed_total`` are registered.
         notifier: routes and delivers the alerts after each evaluation (None: transitions are
             only stored and logged).
         lag_seconds: the ingest lag: windows end this long before now; minute runs happen this
@@ -163,9 +136,14 @@ class RuleScheduler:
             ("alertname", "alertstate"),
             registry=registry,
         )
+        self.missed = MissedEvaluations(registry)
+        for group in rules.groups:
+            self.missed.track(job_id(group), group=group.name, interval_seconds=self.interval_of(group))
         self._rules_by_name: dict[str, Rule] = {rule.alert: rule for rule in rules.rules}
         self._lock = threading.Lock()
+        self._push_locks = {group.name: threading.Lock() for group in rules.groups}
         self._state: dict[str, AlertState] = {}
+        self._dropped: list[OutgoingAlert] = []
         self._scheduler: BackgroundScheduler | None = None
 
     @property
@@ -191,10 +169,43 @@ class RuleScheduler:
         append_log(self.log_path, notes)
         with self._lock:
             self._state = {fp: st for fp, st in loaded.items() if fp not in orphans}
+            self._dropped = [self._resolve_of(orphans[n.fingerprint], n.at) for n in notes if n.fingerprint in orphans]
         if self.notifier is not None:
             self.notifier.restore()
         self._set_gauge()
         return notes
+
+    def _resolve_of(self, st: AlertState, at: float) -> OutgoingAlert:
+        """The explicit resolve at ``at`` of a dropped alert, as its pushes labelled it."""
+        alert = Alert(fingerprint=st.fingerprint, labels={**dict(st.labels), "alertname": st.alert}, firing=False, value=st.value)
+        starts = next((t for t in (st.active_since, st.firing_since, st.evaluated_at) if t is not None), at)
+        return OutgoingAlert(alert=alert, name=st.alert, starts_at=starts, resolved_at=at)
+
+    def resend(self, now: float | None = None) -> int:
+        """Push every group's alerts as restored (firing ones leased from ``now``, recent
+        resolves), each group within 80% of its interval, then the resolves of the alerts
+        :meth:`restore` dropped, to every Alertmanager; :meth:`start` runs it first. Returns how
+        many pushes failed (logged and recorded as at every evaluation)."""
+        if self.notifier is None:
+            return 0
+        now = self.clock() if now is None else now
+        failed = 0
+        for group in self.rules.groups:
+            names, interval = {rule.alert for rule in group.rules}, self.interval_of(group)
+            with self._push_locks[group.name]:
+                pushed = [o for o in (self.outgoing(st) for st in self.state.values() if st.alert in names) if o is not None]
+                failed += self._push(pushed, now, interval)
+            log.info("rule group %s: %d restored alert(s) re-pushed to the Alertmanagers", group.name, len(pushed))
+        dropped, self._dropped = self._dropped, []
+        return failed + self._push(dropped, now, DEFAULT_INTERVAL_SECONDS)
+
+    def _push(self, alerts: list[OutgoingAlert], now: float, interval: float) -> int:
+        assert self.notifier is not None
+        try:
+            return self.notifier.push(alerts, now, interval_seconds=interval, deadline=time.monotonic() + 0.8 * interval)
+        except Exception:  # the store failed while recording a failure: the evaluations push again
+            log.exception("re-pushing the restored alerts failed")
+            return 1
 
     def _fingerprints(self, st: AlertState) -> set[str]:
         """The fingerprints the file's rules can give ``st``'s series now (none when its rule is
@@ -265,9 +276,10 @@ class RuleScheduler:
         assert self.notifier is not None
         try:
             pushed = [o for o in (self.outgoing(st) for st in mine) if o is not None]
-            self.notifier.push(
-                pushed, now, interval_seconds=interval, deadline=time.monotonic() + max(deadline - time.monotonic(), 0.0) / 2
-            )
+            with self._push_locks[group.name]:
+                self.notifier.push(
+                    pushed, now, interval_seconds=interval, deadline=time.monotonic() + max(deadline - time.monotonic(), 0.0) / 2
+                )
             self.notifier.route(self._everything, now, deadline=deadline)
         except Exception:  # the store failed while logging: the next evaluation retries
             log.exception("notifying after rule group %s failed", group.name)
@@ -326,7 +338,8 @@ class RuleScheduler:
         return CronTrigger(second=self.lag_seconds, timezone=UTC)
 
     def start(self) -> None:
-        """Restore the state, then run every group on its schedule in a background thread.
+        """Restore the state, then in a background thread re-push the restored alerts
+        (:meth:`resend`, at once) and run every group on its schedule.
 
         Raises:
             RuntimeError: already started (one scheduler per agent).
@@ -335,12 +348,15 @@ class RuleScheduler:
             raise RuntimeError("the rule scheduler is already started")
         self.restore()
         scheduler = BackgroundScheduler(timezone=UTC)
+        self.missed.listen(scheduler)
+        # no grace limit: however late the scheduler thread starts, the re-push still happens
+        scheduler.add_job(self.resend, DateTrigger(timezone=UTC), id="kvscope-rules-resend", misfire_grace_time=None)
         for group in self.rules.groups:
             scheduler.add_job(
                 self.run_group,
                 self.trigger(group),
                 args=(group,),
-                id=f"kvscope-rules-{group.name}",
+                id=job_id(group),
                 name=f"kvscope rule group {group.name}",
                 max_instances=1,
                 coalesce=True,

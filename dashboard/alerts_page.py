@@ -1,7 +1,9 @@
 """The Alerts page: what is firing or pending now, what happened, and the silences.
 
 * **Firing and pending** (``GET /v1/alerts``, refreshed every :data:`REFRESH_SECONDS`): state,
-  alert, labels, value, since when, summary and the runbook link;
+  alert, labels, value, since when, summary and the runbook link; below it the rule-group
+  evaluations that were due and did not run since the agent started
+  (``GET /v1/alerts/missed-evaluations``: misfired, overrun, coalesced);
 * **Silences** (``GET/POST /v1/silences``, ``DELETE /v1/silences/{id}``): the list with states,
   a form to create one (matchers in Alertmanager's syntax, one per line) and a button to expire
   one;
@@ -20,6 +22,7 @@ from datetime import UTC, datetime
 import pandas as pd
 import streamlit as st
 
+from dashboard.agent_status import agent_status_badge
 from dashboard.client import AgentClient, AgentError
 from dashboard.common import REFRESH_SECONDS, Filters, current_client, query, sidebar_filters
 
@@ -30,8 +33,10 @@ def render() -> None:
     """The page body (called by ``st.navigation``)."""
     st.title("Alerts")
     client = current_client()
+    agent_status_badge(client)
     filters = sidebar_filters(client)
     active_panel(client, filters)
+    missed_panel(client)
     silences_panel(client)
     history_panel(client, filters)
 
@@ -76,6 +81,33 @@ def active_panel(client: AgentClient, filters: Filters) -> None:
         rows,
         hide_index=True,
         column_config={"runbook": st.column_config.LinkColumn("runbook", display_text="runbook")},
+    )
+
+
+@st.fragment(run_every=REFRESH_SECONDS)
+def missed_panel(client: AgentClient) -> None:
+    """Evaluations due and not run, live: a caption when none, else a warning and the counts."""
+    try:
+        missed = [m for m in client.missed_evaluations() if m["count"]]
+    except AgentError as exc:
+        st.caption(f"Missed rule evaluations: unknown ({exc})")
+        return
+    if not missed:
+        st.caption("No rule evaluation was missed since the agent started.")
+        return
+    total = sum(int(m["count"]) for m in missed)
+    st.warning(
+        f"{total} rule evaluation(s) were due and did not run since the agent started: alerts may "
+        "fire or resolve late (kvscope_alert_evaluations_missed_total)."
+    )
+    st.dataframe(
+        pd.DataFrame(
+            [
+                {"group": m["group"], "reason": m["reason"], "missed": m["count"], "last due (UTC)": _when(m["last_due_at"])}
+                for m in missed
+            ]
+        ),
+        hide_index=True,
     )
 
 

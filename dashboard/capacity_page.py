@@ -21,6 +21,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from dashboard.agent_status import agent_status_badge
 from dashboard.client import AgentError
 from dashboard.common import (
     FORMS,
@@ -39,6 +40,7 @@ def render() -> None:
     """The page body (called by ``st.navigation``)."""
     st.title("Capacity")
     client = current_client()
+    agent_status_badge(client)
     filters = sidebar_filters(client)
     try:
         pools = query(client, "capacity_timeseries", **filters.params())

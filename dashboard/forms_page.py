@@ -20,6 +20,7 @@ import streamlit as st
 from agent.ingest import RECOVERING_OUTCOMES, RECOVERY_BUCKETS
 from agent.migrations import bucket_column
 from alerts.rule_eval import histogram_quantile
+from dashboard.agent_status import agent_status_badge
 from dashboard.client import AgentError
 from dashboard.common import (
     FORMS,
@@ -40,6 +41,7 @@ def render() -> None:
     """The page body (called by ``st.navigation``)."""
     st.title("Forms")
     client = current_client()
+    agent_status_badge(client)
     filters = sidebar_filters(client)
     form = filters.form or st.selectbox("Form", list(FORMS), key="forms_form")
     if filters.form:

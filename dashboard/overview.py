@@ -12,8 +12,13 @@ Panels (all from the agent's named queries, refreshed every :data:`REFRESH_SECON
 * each form's usable rate over time (``form_usable_timeseries``): which form explains the gap;
 * each form's recoverable rate (recoverable / hash-hit tokens of its lookups, from the rollup) as
   small multiples;
-* a banner while alerts fire (``GET /v1/alerts``), and ingest health (``ingest_health``): events
-  per second, p95 ingest lag, batches rejected and seq gaps.
+* a banner while alerts fire (``GET /v1/alerts``), and ingest health: the agent's ``/readyz``
+  status when it is degraded (each condition's reason and detail: a quarantined WAL, say) or not
+  ready (why: a full disk, say) — shown even before any request arrived — and, from
+  ``ingest_health``, events per second, p95 ingest lag, batches rejected and seq gaps.
+
+Under the title, as on every page, the "stale since" badge while the agent does not answer
+(:mod:`dashboard.agent_status`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from dashboard.agent_status import agent_status_badge, check_agent, readiness_notice
 from dashboard.client import AgentClient, AgentError
 from dashboard.common import (
     REFRESH_SECONDS,
@@ -58,6 +64,7 @@ def render() -> None:
         "tokens; raw hit rate = hash-hit tokens / prompt tokens. Ratios of token sums per bucket."
     )
     client = current_client()
+    agent_status_badge(client)
     live_panels(client, sidebar_filters(client))
 
 
@@ -72,6 +79,7 @@ def live_panels(client: AgentClient, filters: Filters) -> None:
         return
     _alert_banner(client)
     if rates.empty:
+        readiness_notice(check_agent(client))
         st.info(f"No requests in this window yet (agent at {client.base_url}).")
         return
     _current_values(rates)
@@ -169,6 +177,7 @@ def _form_multiples(client: AgentClient, filters: Filters) -> None:
 
 def _ingest_health(client: AgentClient, filters: Filters) -> None:
     st.subheader("Ingest health")
+    readiness_notice(check_agent(client))
     try:
         health = query(client, "ingest_health", since_seconds=filters.since_seconds, bucket_seconds=filters.bucket_seconds, engine_id=filters.engine)
     except AgentError as exc:

@@ -22,6 +22,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from dashboard.agent_status import agent_status_badge
 from dashboard.client import AgentError
 from dashboard.common import Filters, current_client, query, sidebar_filters
 
@@ -73,6 +74,7 @@ def render() -> None:
     """The page body (called by ``st.navigation``)."""
     st.title("Requests")
     client = current_client()
+    agent_status_badge(client)
     filters = sidebar_filters(client)
     span = span_from_url()
     search = st.text_input("Search request ids", key="request_search", placeholder="part of a request id")

@@ -12,6 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import streamlit as st
 
+from dashboard.agent_status import agent_status_badge
 from dashboard.client import AgentClient, AgentError
 from dashboard.common import current_client, query
 
@@ -55,6 +56,7 @@ def render() -> None:
         "rows capped and a time limit. Tables and columns are listed on the right."
     )
     client = current_client()
+    agent_status_badge(client)
     if EDITOR_KEY not in st.session_state:
         st.session_state[EDITOR_KEY] = next(iter(EXAMPLES.values()))
     editor, schema = st.columns([3, 1])

@@ -21,6 +21,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from engine import batch_scan
+
 SCHEMA_VERSION = 1
 """Version of the batch schema; a batch with any other ``schema_version`` is rejected."""
 
@@ -250,8 +252,10 @@ def decode_batch(body: bytes, fmt: ContentFormat = "json") -> EventBatch:
 
     Raises:
         EventError: the body is not valid JSON/msgpack, a field has the wrong type or range, an
-            unknown field or event kind appears, or a cross-field rule fails (see
-            :func:`check_batch`). Nothing of a rejected batch may be stored.
+            unknown field or event kind appears, a value is nested deeper than msgspec's
+            recursion allows (the path found by :func:`engine.batch_scan.too_deep`), or a
+            cross-field rule fails (see :func:`check_batch`). Nothing of a rejected batch may be
+            stored.
     """
     decoder = _json_decoder if fmt == "json" else _msgpack_decoder
     try:
@@ -265,6 +269,9 @@ def decode_batch(body: bytes, fmt: ContentFormat = "json") -> EventBatch:
         raise EventError(path, message) from None
     except msgspec.DecodeError as exc:
         raise EventError("$", f"malformed {fmt} body: {exc}") from None
+    except RecursionError:  # msgspec skipping a value nested past Python's recursion limit
+        path = batch_scan.too_deep(body, fmt) or "$"
+        raise EventError(path, f"nested more than {batch_scan.NESTING_LIMIT} levels deep (the batch schema needs 3)") from None
     check_batch(batch)
     return batch
 

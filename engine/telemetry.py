@@ -11,26 +11,33 @@ reused seqs) and posts it as msgpack to ``POST /v1/events``,
 retrying connection failures and 5xx answers with capped exponential backoff. A batch the agent
 rejects (4xx) is not retried: it is counted and logged with the agent's reason.
 
-With a spool (``spool_path``, :mod:`engine.spool`), a batch the agent cannot take after its
-retries — and every batch while the in-memory queue is over its high-water mark — is appended to
-the spool file instead of being dropped; spooled batches are re-sent oldest first (with their
-original ``seq``, so a batch the agent stored but did not acknowledge is a counted duplicate, never
-stored twice) as soon as the agent answers again, and new batches queue behind them so the order
-is kept. Events are dropped only when the spool's disk budget is exhausted, and then loudly.
+With a spool (``spool_path``, :mod:`engine.spool`), every batch is appended to the spool file
+first and sent from there, oldest first, with its own ``seq`` (a batch the agent stored but did
+not acknowledge comes back a counted duplicate, never stored twice); while the agent cannot take
+batches — after the retries, while the queue is over its high-water mark — they wait there and
+new ones queue behind them, so the order is kept. A batch the agent acknowledged stays in the
+spool until the agent's **durable watermark** (:mod:`agent.durability`; in every answer and at
+``GET /v1/ingest/watermark``) passes its seq; when the client meets a new agent process (a new
+``agent_instance``: it restarted, perhaps with a damaged WAL) it re-sends every batch above the
+watermark. Events are dropped only when the spool's disk budget is exhausted, and then loudly.
+The sinks the engine also takes (:class:`~engine.sinks.NullSink`, :class:`~engine.sinks.ListSink`)
+live in :mod:`engine.sinks`.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import httpx
 
 from engine.events import SCHEMA_VERSION, Event, EventBatch, encode_batch
+from engine.sinks import EventSink, ListSink, NullSink
 from engine.spool import Spool
 
 SPOOL_RETRIES = 3
@@ -38,44 +45,7 @@ SPOOL_RETRIES = 3
 
 log = logging.getLogger(__name__)
 
-
-class EventSink(Protocol):
-    """Anything the engine can hand events to."""
-
-    def emit(self, event: Event) -> None: ...
-
-    def flush(self, timeout_seconds: float | None = None) -> bool: ...
-
-    def close(self, timeout_seconds: float | None = None) -> None: ...
-
-
-class NullSink:
-    """Discards events (telemetry off)."""
-
-    def emit(self, event: Event) -> None:
-        pass
-
-    def flush(self, timeout_seconds: float | None = None) -> bool:
-        return True
-
-    def close(self, timeout_seconds: float | None = None) -> None:
-        pass
-
-
-class ListSink:
-    """Keeps every event in memory (tests, and callers that read events in-process)."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def emit(self, event: Event) -> None:
-        self.events.append(event)
-
-    def flush(self, timeout_seconds: float | None = None) -> bool:
-        return True
-
-    def close(self, timeout_seconds: float | None = None) -> None:
-        pass
+__all__ = ["SPOOL_RETRIES", "EventSink", "ListSink", "NullSink", "TelemetryClient"]
 
 
 class TelemetryClient:
@@ -95,6 +65,8 @@ class TelemetryClient:
         spool_max_bytes: the spool's disk budget.
         high_water_events: queue depth from which batches go to the spool directly (default
             three quarters of ``max_queue_events``).
+        watermark_poll_seconds: how often the agent's durable watermark is asked for while
+            acknowledged batches wait for it and nothing else is sent.
 
     Raises:
         ValueError: a non-positive limit, or a spool path that cannot be opened.
@@ -114,6 +86,7 @@ class TelemetryClient:
         spool_path: Path | None = None,
         spool_max_bytes: int = 256 << 20,
         high_water_events: int | None = None,
+        watermark_poll_seconds: float = 1.0,
     ) -> None:
         if max_queue_events <= 0 or batch_max_events <= 0 or batch_max_seconds <= 0:
             raise ValueError("telemetry queue and batch limits must be positive")
@@ -138,6 +111,12 @@ class TelemetryClient:
         self.failed_batches = 0
         self.spooled_events = 0
         self.replayed_events = 0
+        self.resent_events = 0
+        """Events sent again because the agent restarted before making them durable."""
+        self.watermark_poll_seconds = watermark_poll_seconds
+        self._agent_instance: str | None = None
+        self._instance_checked = False
+        self._next_poll = 0.0
         self.spool: Spool | None = Spool(spool_path, spool_max_bytes) if spool_path is not None else None
         self._seq = self.spool.next_seq if self.spool is not None else 0
         self.high_water_events = high_water_events if high_water_events is not None else max_queue_events * 3 // 4
@@ -177,8 +156,10 @@ class TelemetryClient:
         return True
 
     def close(self, timeout_seconds: float | None = 30.0) -> None:
-        """Flush, give the spool the rest of ``timeout_seconds`` to drain to the agent (what is
-        left stays on disk for the next run), stop the sender and close the HTTP client."""
+        """Flush, give the spool the rest of ``timeout_seconds`` to send its backlog to the agent,
+        ask the agent to make what it acknowledged durable (``POST /v1/ingest/checkpoint``) and
+        release it; what is left stays on disk for the next run. Then stop the sender and close
+        the HTTP client."""
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         self.flush(timeout_seconds)
         while self.spool and self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
@@ -221,6 +202,8 @@ class TelemetryClient:
             finally:
                 self._settle(len(events))
         if self.spool is not None:
+            if self.spool.awaiting_records and time.monotonic() >= self._retry_at:
+                self._watermark(checkpoint=True)  # make what the agent holds durable, then release it
             self.spool.close()
 
     def _deliver(self, events: list[Event]) -> None:
@@ -228,32 +211,40 @@ class TelemetryClient:
             schema_version=SCHEMA_VERSION, engine_id=self.engine_id, seq=self._seq, sent_at=time.time(), events=events
         )
         self._seq += 1
-        if self.spool is not None:
-            self.spool.save_next_seq(self._seq)
         body = encode_batch(batch, "msgpack")
-        if self.spool is not None and (
-            self.spool or self._queue.qsize() >= self.high_water_events or time.monotonic() < self._retry_at
-        ):
-            self._to_spool(body, len(events))  # behind the backlog, the queue too deep, or the agent down
-            return
-        outcome = self._post(body, batch.seq, len(events), SPOOL_RETRIES if self.spool is not None else self.max_retries)
-        if outcome == "sent":
-            self.sent_events += len(events)
-            self.sent_batches += 1
-        elif outcome == "unreachable":
-            if self.spool is not None:
-                self._to_spool(body, len(events))
-                self._retry_at = time.monotonic() + self._backoff
-            else:
+        if self.spool is None:
+            outcome, _ = self._post(body, batch.seq, len(events), self.max_retries)
+            if outcome == "sent":
+                self.sent_events += len(events)
+                self.sent_batches += 1
+            elif outcome == "unreachable":
                 self.failed_batches += 1
                 self.dropped_events += len(events)
                 log.error("telemetry batch seq=%d dropped after %d attempts (%d events)", batch.seq, self.max_retries, len(events))
-
-    def _to_spool(self, body: bytes, events: int) -> None:
-        assert self.spool is not None
-        if self.spool.append(body, events):
-            self.spooled_events += events
             return
+        self.spool.save_next_seq(self._seq)
+        # behind the backlog, the queue too deep, or the agent down: the drain loop sends it
+        deferred = bool(self.spool) or self._queue.qsize() >= self.high_water_events or time.monotonic() < self._retry_at
+        if not self._to_spool(body, len(events)):
+            return
+        if deferred:
+            self.spooled_events += len(events)
+            return
+        if self._send_next(SPOOL_RETRIES, fresh=True) == "unreachable":
+            self.spooled_events += len(events)
+            self._retry_at = time.monotonic() + self._backoff
+
+    def _to_spool(self, body: bytes, events: int) -> bool:
+        assert self.spool is not None
+        released = self.spool.released_records
+        if self.spool.append(body, events):
+            if self.spool.released_records > released:
+                log.warning(
+                    "telemetry spool %s is full: %d acknowledged batches released before the agent made them durable",
+                    self.spool.path,
+                    self.spool.released_records - released,
+                )
+            return True
         self.failed_batches += 1
         self.dropped_events += events
         log.error(
@@ -263,33 +254,107 @@ class TelemetryClient:
             events,
             self.dropped_events,
         )
+        return False
+
+    def _send_next(self, attempts: int, *, fresh: bool) -> Literal["sent", "rejected", "unreachable", "empty"]:
+        """POST the oldest unsent spool record; on an answer, file it in the spool (kept until
+        the agent's durable watermark passes it)."""
+        assert self.spool is not None
+        record = self.spool.peek()
+        if record is None:
+            return "empty"
+        body, events = record
+        resending = self.spool.resending
+        outcome, answer = self._post(body, None, events, attempts)
+        if outcome == "unreachable":
+            self._instance_checked = False
+            return outcome
+        if outcome == "rejected" or answer is None:
+            self.spool.sent(None)  # refused for good: nothing to wait for
+            return outcome
+        if not self._on_agent(answer):
+            return outcome  # a new agent process: the spool was rewound, this record too
+        seq = answer.get("seq")
+        self.spool.sent(int(seq) if isinstance(seq, int) and "agent_instance" in answer else None)
+        self.spool.release(_durable(answer))
+        self.sent_events += events
+        self.sent_batches += 1
+        if resending:
+            self.resent_events += events
+        elif not fresh:
+            self.replayed_events += events
+        return outcome
+
+    def _on_agent(self, answer: dict[str, object]) -> bool:
+        """Note the agent process an answer came from; False when it is a new one (it restarted:
+        every batch it had acknowledged but not made durable is made unsent, to be re-sent)."""
+        instance = answer.get("agent_instance")
+        if not isinstance(instance, str):
+            return True  # an agent without watermarks: acknowledged means durable
+        known, self._agent_instance = self._agent_instance, instance
+        self._instance_checked = True
+        self._next_poll = time.monotonic() + self.watermark_poll_seconds
+        if known is None or known == instance:
+            return True
+        assert self.spool is not None
+        self.spool.release(_durable(answer))
+        if self.spool.awaiting_records:
+            log.warning(
+                "the agent restarted: re-sending the %d batches it acknowledged but had not made durable",
+                self.spool.awaiting_records,
+            )
+        self.spool.rewind()
+        return False
+
+    def _watermark(self, *, checkpoint: bool = False) -> None:
+        """Ask the agent for this engine's durable watermark (``checkpoint``: after making
+        everything it holds durable) and release what it covers."""
+        assert self.spool is not None
+        url = self.url.rsplit("/", 1)[0] + ("/ingest/checkpoint" if checkpoint else "/ingest/watermark")
+        try:
+            resp = self._http.request("POST" if checkpoint else "GET", url, params={"engine_id": self.engine_id})
+        except httpx.HTTPError as exc:
+            log.debug("telemetry watermark: %s", exc)
+            self._retry_at = time.monotonic() + self._backoff
+            return
+        self._next_poll = time.monotonic() + self.watermark_poll_seconds
+        if resp.status_code == 404:  # an agent without watermarks: acknowledged means durable
+            self.spool.release(sys.maxsize)
+            self._instance_checked = True
+            return
+        if resp.status_code != 200:
+            return
+        answer = resp.json()
+        if self._on_agent(answer):
+            self.spool.release(_durable(answer))
 
     def _replay(self) -> None:
-        """Re-send spooled batches, oldest first, while the agent takes them (at most ~50 ms per
-        call, so new events keep flowing into the spool behind them)."""
+        """Send unsent spool records, oldest first, while the agent takes them (at most ~50 ms per
+        call, so new events keep flowing into the spool behind them); poll the durable watermark
+        while acknowledged records wait for it."""
         if self.spool is None or time.monotonic() < self._retry_at:
             return
+        if not self._instance_checked and (self.spool or self.spool.awaiting_records):
+            self._watermark()
+            if not self._instance_checked:
+                return
         until = time.monotonic() + 0.05
         while self.spool and time.monotonic() < until:
-            record = self.spool.peek()
-            if record is None:
-                return
-            body, events = record
-            outcome = self._post(body, None, events, 1)
+            outcome = self._send_next(1, fresh=False)
             if outcome == "unreachable":
                 self._retry_at = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, 2.0)
                 return
             self._backoff = 0.1
-            self.spool.pop()
-            if outcome == "sent":
-                self.replayed_events += events
-                self.sent_events += events
-                self.sent_batches += 1
+        if self.spool.awaiting_records and not self.spool and time.monotonic() >= self._next_poll:
+            self._watermark()
 
-    def _post(self, body: bytes, seq: int | None, events: int, attempts: int) -> Literal["sent", "rejected", "unreachable"]:
-        """POST one encoded batch: ``sent`` (stored or a duplicate), ``rejected`` (4xx: counted,
-        logged, never retried) or ``unreachable`` (connection errors / 5xx after ``attempts``)."""
+    def _post(
+        self, body: bytes, seq: int | None, events: int, attempts: int
+    ) -> tuple[Literal["sent", "rejected", "unreachable"], dict[str, object] | None]:
+        """POST one encoded batch: ``sent`` (stored or a duplicate; with the agent's answer),
+        ``rejected`` (4xx: counted, logged, never retried) or ``unreachable`` (connection errors
+        / 5xx after ``attempts``)."""
         delay = 0.1
         for attempt in range(1, attempts + 1):
             try:
@@ -298,15 +363,24 @@ class TelemetryClient:
                 reason = f"{type(exc).__name__}: {exc}"
             else:
                 if resp.status_code < 300:
-                    return "sent"
+                    try:
+                        answer = resp.json()
+                    except ValueError:
+                        answer = None
+                    return "sent", answer if isinstance(answer, dict) else None
                 if resp.status_code < 500:
                     self.rejected_batches += 1
                     self.rejected_events += events
                     log.error("agent rejected batch seq=%s (%d events): %s", seq, events, resp.text[:500])
-                    return "rejected"
+                    return "rejected", None
                 reason = f"HTTP {resp.status_code}"
             if attempt < attempts and not self._stop.is_set():
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
             log.warning("telemetry batch seq=%s attempt %d failed: %s", seq, attempt, reason)
-        return "unreachable"
+        return "unreachable", None
+
+
+def _durable(answer: dict[str, object]) -> int | None:
+    seq = answer.get("durable_seq")
+    return seq if isinstance(seq, int) else None

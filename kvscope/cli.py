@@ -319,6 +319,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from agent.config import AgentConfig, ConfigError, load_config
     from agent.server import serve
     from agent.store import SchemaTooNewError, lock_holder
+    from agent.wal_guard import DatabaseUnusableError
 
     try:
         config = load_config(args.config) if args.config else AgentConfig()
@@ -363,7 +364,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     )
     try:
         serve(config, parent_pid=parent_pid)
-    except SchemaTooNewError as exc:
+    except (SchemaTooNewError, DatabaseUnusableError) as exc:
         raise UserError(f"{config.db_path}: {exc}") from None
     except duckdb.IOException as exc:
         holder = lock_holder(exc)

@@ -1,8 +1,9 @@
 """``kvscope sql``: ad-hoc read-only SQL through a running agent or on a DuckDB file.
 
 On a file, the same rules as the agent's sandbox hold: the database is opened read-only with
-external access disabled and the configuration locked, and only one SELECT statement (as typed
-by DuckDB's own parser) is admitted.
+external access disabled, the session time zone set to UTC (as in the agent, so ``now()`` and
+timestamp arithmetic do not follow the host's time zone) and the configuration locked, and only
+one SELECT statement (as typed by DuckDB's own parser) is admitted.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.client import AgentClient
+from agent.duckdb_settings import use_utc
 from agent.sql import ResultSet, SqlError, check_read_only, render, rows_of, run_on_connection
 from agent.store import lock_holder
 
@@ -63,6 +65,7 @@ def _query_file(db: Path, query: str) -> ResultSet:
             ) from None
         raise ValueError(f"{db}: {exc}") from None
     try:
+        use_utc(con)
         con.execute("SET lock_configuration = true")
         return run_on_connection(con, query, row_limit=MAX_ROWS, timeout_seconds=TIMEOUT_SECONDS)
     except SqlError as exc:

@@ -37,7 +37,7 @@ def test_serve_stores_events_and_shuts_down_cleanly(tmp_path: Path, sig: signal.
             content=json_body(batch(1, known_events(minute_start()))),
             headers={"content-type": "application/json"},
         )
-        assert response.json() == {"status": "stored", "events": 8}
+        assert response.json() | {"agent_instance": None} == {"status": "stored", "events": 8, "seq": 1, "durable_seq": None, "agent_instance": None}
         process.send_signal(sig)
         stdout, stderr = process.communicate(timeout=30)
     finally:

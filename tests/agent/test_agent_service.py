@@ -21,7 +21,7 @@ JSON = {"content-type": "application/json"}
 
 def test_healthz_and_readyz(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/readyz").json() == {"status": "ready", "schema_version": SCHEMA_VERSION}
+    assert client.get("/readyz").json() == {"status": "ready", "schema_version": SCHEMA_VERSION, "degraded": []}
 
 
 def test_app_owning_its_store_is_ready_only_inside_its_lifespan(config: AgentConfig) -> None:

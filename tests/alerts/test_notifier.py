@@ -229,7 +229,7 @@ def test_alertmanager_push_leases_firing_alerts_and_repeats_resolves(store: Stor
             "labels": {"alertname": "RecoverableHitRateDrop", "engine": "e1", "severity": "page"},
             "annotations": {"summary": "RecoverableHitRateDrop on e1"},
             "startsAt": "2027-01-15T07:58:00Z",
-            "endsAt": "2027-01-15T08:05:00Z",  # now + 4 intervals
+            "endsAt": "2027-01-15T08:10:00Z",  # now + 4 intervals + the default 5 m restart margin
             "generatorURL": "http://agent.test:9400",
         }
     ]
@@ -296,6 +296,8 @@ def test_deliveries_stay_within_the_budget(store: Store, tmp_path: Path) -> None
         ({"route": {"receiver": "a"}, "receivers": [{"name": "a", "webhook_configs": [{"url": "http://x", "max_alerts": -1}]}]}, "max_alerts: expected an integer >= 0"),
         ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "delivery": {"attempts": 0}}, "attempts: expected an integer in [1, 10]"),
         ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "delivery": {"lease_intervals": 1}}, "lease_intervals: expected a number in [2, 100]"),
+        ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "delivery": {"restart_margin": "2d"}}, "restart_margin: at most 1d, got '2d'"),
+        ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "delivery": {"restart_margin": "soon"}}, "field restart_margin: 'soon' is not a duration"),
         ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "inhibit_rules": [{"source_matchers": [], "target_matchers": ['a="b"']}]}, "need at least one matcher each"),
         ({"route": {"receiver": "a"}, "receivers": [{"name": "a"}], "alertmanagers": [{"url": "am:9093"}]}, "'am:9093' is not an http(s) URL"),
         ({"route": {"receiver": "a"}, "receivers": [{"name": "a", "webhook_configs": [{"url": "http://127.0.0.1:abc/hook"}]}]}, "is not a valid URL"),

@@ -179,7 +179,7 @@ def test_each_evaluation_pushes_its_group_and_routes_every_alert(store: Store, t
     assert [path for path, _ in posts] == ["/api/v2/alerts", "/x"]
     am_alert = posts[0][1][0]
     assert am_alert["labels"] == {"alertname": "Drop", "engine": "e1", "model": "m1", "severity": "page"}
-    assert am_alert["annotations"] == {"summary": "e1 at 0.3"} and am_alert["endsAt"] == "2027-01-15T08:06:00Z"  # 4 × 1m
+    assert am_alert["annotations"] == {"summary": "e1 at 0.3"} and am_alert["endsAt"] == "2027-01-15T08:11:00Z"  # 4 × 1m + 5m
     assert posts[1][1]["alerts"][0]["fingerprint"] == fired.fingerprint
     sched.run_group(drop.groups[0], T + 180)
     assert [path for path, _ in posts] == ["/api/v2/alerts", "/x", "/api/v2/alerts"]  # re-pushed, not re-paged

@@ -140,3 +140,20 @@ def test_an_agent_without_a_rule_scheduler_is_explained(tmp_path: Path, monkeypa
     assert not at.exception
     assert at.error[0].value.endswith("no rule scheduler runs in this process")
     assert at.caption[-1].value == "No alerts yet."
+
+
+def test_missed_evaluations_are_shown(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = page(agent, monkeypatch)
+    ok(at)
+    assert "Missed rule evaluations: unknown" in at.caption[0].value  # this agent has no rule scheduler
+    agent.app.state.missed_evaluations = lambda: [
+        {"group": "kvscope-cache", "reason": "misfire", "count": 0, "last_due_at": None},
+        {"group": "kvscope-cache", "reason": "overrun", "count": 3, "last_due_at": 1_800_000_000.0},
+    ]
+    at = page(agent, monkeypatch)
+    ok(at)
+    assert at.warning[0].value.startswith("3 rule evaluation(s) were due and did not run")
+    missed = at.dataframe[1].value  # after the firing and pending table
+    assert missed.values.tolist() == [["kvscope-cache", "overrun", 3, "2027-01-15 08:00:00"]]
+    agent.app.state.missed_evaluations = lambda: [{"group": "kvscope-cache", "reason": "overrun", "count": 0, "last_due_at": None}]
+    assert "No rule evaluation was missed" in " ".join(c.value for c in page(agent, monkeypatch).caption)

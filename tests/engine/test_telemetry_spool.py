@@ -44,6 +44,8 @@ class FlakyAgent:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if self.down.is_set():
             raise httpx.ConnectError("agent down", request=request)
+        if request.url.path != "/v1/events":  # an agent without durable watermarks
+            return httpx.Response(404, json={"error": {"reason": "not found"}})
         body = msgspec.msgpack.decode(request.content)
         self.deliveries += 1
         self.batches.setdefault(body["seq"], [e["used_bytes"] for e in body["events"]])

@@ -1,0 +1,60 @@
+"""A value nested 1,000 deep inside an event field (a 2 KB body): a 422 naming the field, with
+the rejected batch filed under its engine_id and seq — not a 500 from a ``RecursionError`` in
+msgspec's decode or in the rejected-batch audit (:mod:`engine.batch_scan`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+from fastapi.testclient import TestClient
+
+from agent.app import create_app
+from agent.config import AgentConfig
+from agent.metrics import AgentMetrics
+from agent.store import Store
+
+DEPTH = 1000
+HEADER = {"schema_version": 1, "engine_id": "e-deep", "seq": 3, "sent_at": 1764500000.0}
+
+
+def deep_body(fmt: str, *, header_first: bool) -> bytes:
+    """A batch whose one event holds ``request_id`` = a list nested ``DEPTH`` deep, before the
+    event's ``kind`` tag (msgspec must skip it to find the tag). Built by hand: msgspec cannot
+    encode it either."""
+    if fmt == "json":
+        event = b'{"request_id": ' + b"[" * DEPTH + b"]" * DEPTH + b', "kind": "cache_lookup"}'
+        header = msgspec.json.encode(HEADER)[1:-1]
+        events = b'"events": [' + event + b"]"
+        return b"{" + (header + b", " + events if header_first else events + b", " + header) + b"}"
+    pack = msgspec.msgpack.encode
+    event = b"\x82" + pack("request_id") + b"\x91" * (DEPTH - 1) + b"\x90" + pack("kind") + pack("cache_lookup")
+    header = b"".join(pack(k) + pack(v) for k, v in HEADER.items())
+    events = pack("events") + b"\x91" + event
+    return b"\x85" + (header + events if header_first else events + header)
+
+
+@pytest.fixture
+def raw(config: AgentConfig, store: Store, metrics: AgentMetrics) -> Iterator[TestClient]:
+    """A client that answers 500s instead of raising them (we assert on status codes)."""
+    app = create_app(config, store, metrics=metrics, environ={})
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+@pytest.mark.parametrize("header_first", [True, False], ids=["header-first", "header-last"])
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_deeply_nested_event_field_is_a_422_and_is_audited(raw: TestClient, metrics: AgentMetrics, fmt: str, header_first: bool) -> None:
+    body = deep_body(fmt, header_first=header_first)
+    assert len(body) < 2200  # the issue's 2 KB body
+    response = raw.post("/v1/events", content=body, headers={"content-type": f"application/{fmt}"})
+    assert response.status_code == 422, response.text
+    assert response.json() == {
+        "error": {"path": "$.events[0].request_id", "reason": "nested more than 64 levels deep (the batch schema needs 3)"}
+    }
+    filed = raw.post("/v1/sql", json={"sql": "SELECT engine_id, seq, status, rows, error FROM ingest_batches"}).json()["rows"]
+    assert filed == [["e-deep", 3, "rejected", 0, "$.events[0].request_id: nested more than 64 levels deep (the batch schema needs 3)"]]
+    assert metrics.registry.get_sample_value("kvscope_ingest_rejected_batches_total", {"reason": "invalid"}) == 1.0
+    stored = raw.post("/v1/sql", json={"sql": "SELECT count(*) FROM cache_lookups"}).json()["rows"]
+    assert stored == [[0]]

@@ -1,0 +1,132 @@
+"""Bounded queries: the concurrency cap on /v1/sql and /v1/query (wait, then 429 with
+Retry-After), the time limit for a query that is one long function call, the worker thread
+behind it, and the client's timeout above the agent's limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from agent.app import create_app
+from agent.client import DEFAULT_QUERY_TIMEOUT_SECONDS
+from agent.config import AgentConfig
+from agent.deadline import INTERRUPT_GRACE_SECONDS, StillRunning, run_in_worker
+from agent.metrics import AgentMetrics
+from agent.query_gate import QueryGate, Slot
+from agent.store import Store
+
+LONG_CALL = "SELECT length(repeat('x', 250000000)) AS n"
+"""One scalar function call DuckDB cannot interrupt until it returns: about 2 s on a 2-core
+machine (500 million bytes took 4.3 s), while the test's limit is 0.1 s (answer by 0.2 s)."""
+
+
+def wait_until(condition: object, what: str, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def limited(config: AgentConfig, store: Store) -> Iterator[tuple[TestClient, QueryGate]]:
+    """An app admitting one query at a time, waiting 0.05 s for a slot, with a 0.1 s limit."""
+    tight = dataclasses.replace(
+        config,
+        sql_max_concurrent_queries=1,
+        sql_queue_timeout_seconds=0.05,
+        sql_timeout_seconds=0.1,
+    )
+    app = create_app(tight, store, metrics=AgentMetrics(), environ={})
+    with TestClient(app) as client:
+        yield client, app.state.query_gate
+
+
+def hold_slot(client: TestClient, gate: QueryGate) -> Slot:
+    """Take a slot on the app's own event loop, as a running query would."""
+    assert client.portal is not None
+    return client.portal.call(gate.admit)
+
+
+def test_excess_queries_wait_then_get_429_with_retry_after(
+    limited: tuple[TestClient, QueryGate],
+) -> None:
+    client, gate = limited
+    slot = hold_slot(client, gate)
+    refused = client.post("/v1/sql", json={"sql": "SELECT 1"})
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "1"
+    assert "1 queries are running" in refused.json()["error"]["reason"]
+    assert client.get("/v1/query/schema").status_code == 429  # named queries share the cap
+    assert client.get("/healthz").status_code == 200  # nothing else is capped
+    slot.release()
+    wait_until(lambda: gate.running == 0, "the slot to be released")
+    assert client.post("/v1/sql", json={"sql": "SELECT 1"}).json()["rows"] == [[1]]
+    assert gate.running == 0
+
+
+def test_a_waiting_query_runs_once_a_slot_frees(config: AgentConfig, store: Store) -> None:
+    patient = dataclasses.replace(
+        config, sql_max_concurrent_queries=1, sql_queue_timeout_seconds=60
+    )
+    app = create_app(patient, store, metrics=AgentMetrics(), environ={})
+    with TestClient(app) as client:
+        gate: QueryGate = app.state.query_gate
+        slot = hold_slot(client, gate)
+        answer: dict[str, object] = {}
+        waiter = threading.Thread(
+            target=lambda: answer.update(r=client.post("/v1/sql", json={"sql": "SELECT 2"}))
+        )
+        waiter.start()
+        wait_until(lambda: gate.waiting == 1, "the query to queue")
+        slot.release()
+        waiter.join(timeout=60)
+        response = answer["r"]
+        assert response.status_code == 200 and response.json()["rows"] == [[2]]  # type: ignore[attr-defined]
+
+
+def test_one_long_function_call_is_answered_at_the_limit_and_keeps_its_slot(
+    limited: tuple[TestClient, QueryGate],
+) -> None:
+    client, gate = limited
+    response = client.post("/v1/sql", json={"sql": LONG_CALL})
+    assert response.status_code == 408
+    assert "one long function call" in response.json()["error"]["reason"]
+    assert gate.running == 1  # DuckDB still computes the call: its slot stays taken
+    assert client.post("/v1/sql", json={"sql": "SELECT 1"}).status_code == 429
+    wait_until(lambda: gate.running == 0, "the long call to end")
+    assert client.post("/v1/sql", json={"sql": "SELECT 3"}).json()["rows"] == [[3]]
+
+
+def test_run_in_worker_answers_at_the_limit_and_reports_the_real_end() -> None:
+    release = threading.Event()
+    ended: list[str] = []
+    with pytest.raises(StillRunning):
+        run_in_worker(
+            lambda: release.wait(60), wait_seconds=0.05, on_done=lambda: ended.append("done")
+        )
+    assert ended == []  # the work goes on
+    release.set()
+    wait_until(lambda: ended == ["done"], "on_done")
+    assert run_in_worker(lambda: 7, wait_seconds=5, on_done=lambda: ended.append("again")) == 7
+    wait_until(lambda: ended == ["done", "again"], "on_done after a result")
+    with pytest.raises(ZeroDivisionError):
+        run_in_worker(lambda: 1 // 0, wait_seconds=5)
+
+
+def test_the_client_waits_longer_than_the_agent_may_take() -> None:
+    defaults = AgentConfig()
+    assert (
+        defaults.sql_timeout_seconds + defaults.sql_queue_timeout_seconds + INTERRUPT_GRACE_SECONDS
+    ) < DEFAULT_QUERY_TIMEOUT_SECONDS
+
+
+def test_gate_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="max_running"):
+        QueryGate(0, 1.0)
+    with pytest.raises(ValueError, match="queue_timeout_seconds"):
+        QueryGate(1, -1.0)
