@@ -203,9 +203,9 @@ class Durability:
                 if not holes:
                     del self._holes[engine_id]
             for engine_id, seq in tops.items():
-                holes = self._holes.get(engine_id)
-                if holes:
-                    seq = min(seq, min(holes) - 1)
+                pending = self._holes.get(engine_id)
+                if pending:
+                    seq = min(seq, min(pending) - 1)
                 if seq > self._durable.get(engine_id, -1):
                     self._durable[engine_id] = seq
         self.ack_log.clear()

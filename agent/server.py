@@ -57,7 +57,8 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
         health=health,
         registry=metrics.registry,
         wal_autocheckpoint_bytes=config.checkpoint_wal_bytes,
-        store_options={"memory_limit_bytes": config.duckdb_memory_limit_bytes, "threads": config.duckdb_threads},
+        memory_limit_bytes=config.duckdb_memory_limit_bytes,
+        threads=config.duckdb_threads,
     )
     store, durability = guarded.store, guarded.durability
     try:

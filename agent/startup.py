@@ -54,9 +54,11 @@ def open_guarded_store(
     health: Health,
     registry: CollectorRegistry,
     wal_autocheckpoint_bytes: int | None = None,
-    store_options: dict[str, object] | None = None,
+    memory_limit_bytes: int | None = None,
+    threads: int | None = None,
 ) -> GuardedStore:
-    """Open ``db_path`` as described in the module docstring.
+    """Open ``db_path`` as described in the module docstring (``wal_autocheckpoint_bytes``,
+    ``memory_limit_bytes``, ``threads``: as :meth:`agent.store.Store.open`).
 
     Raises:
         agent.wal_guard.DatabaseUnusableError: the file cannot be opened even without its WAL.
@@ -74,7 +76,9 @@ def open_guarded_store(
         registry=registry,
     )
     report = preflight(db_path)
-    store = Store.open(db_path, wal_autocheckpoint_bytes=wal_autocheckpoint_bytes, **(store_options or {}))
+    store = Store.open(
+        db_path, wal_autocheckpoint_bytes=wal_autocheckpoint_bytes, memory_limit_bytes=memory_limit_bytes, threads=threads
+    )
     try:
         ack_file = ack_log_path(db_path)
         missing = missing_acknowledged(store, ack_file)

@@ -19,7 +19,7 @@ run is never doubled up. A run of a group:
 :meth:`RuleScheduler.start` first restores the state from ``alert_state`` and the notification
 log from ``alert_groups``, so a restart neither re-pages nor loses pending time; alerts the file
 can no longer produce (a rule removed, or its labels or burn windows changed) are resolved then.
-Its first job (:meth:`RuleScheduler.resend`, at once, before any group can have evaluated) pushes
+Then a thread (:meth:`RuleScheduler.resend`, at once, before any group can have evaluated) pushes
 every restored firing alert to the Alertmanagers with a fresh lease, and those resolves, so an
 alert whose last lease was about to run out while the agent was down is not resolved by
 Alertmanager and then fired again (issue 19). A group's pushes are serialised, so that re-push
@@ -43,7 +43,6 @@ from pathlib import Path
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.cron import CronTrigger
-from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -145,6 +144,7 @@ class RuleScheduler:
         self._state: dict[str, AlertState] = {}
         self._dropped: list[OutgoingAlert] = []
         self._scheduler: BackgroundScheduler | None = None
+        self._resender: threading.Thread | None = None
 
     @property
     def state(self) -> dict[str, AlertState]:
@@ -184,7 +184,7 @@ class RuleScheduler:
     def resend(self, now: float | None = None) -> int:
         """Push every group's alerts as restored (firing ones leased from ``now``, recent
         resolves), each group within 80% of its interval, then the resolves of the alerts
-        :meth:`restore` dropped, to every Alertmanager; :meth:`start` runs it first. Returns how
+        :meth:`restore` dropped, to every Alertmanager; :meth:`start` runs it at once. Returns how
         many pushes failed (logged and recorded as at every evaluation)."""
         if self.notifier is None:
             return 0
@@ -195,7 +195,8 @@ class RuleScheduler:
             with self._push_locks[group.name]:
                 pushed = [o for o in (self.outgoing(st) for st in self.state.values() if st.alert in names) if o is not None]
                 failed += self._push(pushed, now, interval)
-            log.info("rule group %s: %d restored alert(s) re-pushed to the Alertmanagers", group.name, len(pushed))
+            if pushed:
+                log.info("rule group %s: %d restored alert(s) re-pushed to the Alertmanagers", group.name, len(pushed))
         dropped, self._dropped = self._dropped, []
         return failed + self._push(dropped, now, DEFAULT_INTERVAL_SECONDS)
 
@@ -338,8 +339,8 @@ class RuleScheduler:
         return CronTrigger(second=self.lag_seconds, timezone=UTC)
 
     def start(self) -> None:
-        """Restore the state, then in a background thread re-push the restored alerts
-        (:meth:`resend`, at once) and run every group on its schedule.
+        """Restore the state, then re-push the restored alerts (:meth:`resend`, in a thread of
+        its own, at once) and run every group on its schedule in a background thread.
 
         Raises:
             RuntimeError: already started (one scheduler per agent).
@@ -349,8 +350,9 @@ class RuleScheduler:
         self.restore()
         scheduler = BackgroundScheduler(timezone=UTC)
         self.missed.listen(scheduler)
-        # no grace limit: however late the scheduler thread starts, the re-push still happens
-        scheduler.add_job(self.resend, DateTrigger(timezone=UTC), id="kvscope-rules-resend", misfire_grace_time=None)
+        # not an APScheduler date job: a job removed after its one run races shutdown in 3.x
+        self._resender = threading.Thread(target=self.resend, name="kvscope-alert-resend", daemon=True)
+        self._resender.start()
         for group in self.rules.groups:
             scheduler.add_job(
                 self.run_group,
@@ -366,7 +368,10 @@ class RuleScheduler:
         self._scheduler = scheduler
 
     def shutdown(self) -> None:
-        """Stop, waiting for a running evaluation. Idempotent."""
+        """Stop, waiting for a running evaluation and the start-up re-push. Idempotent."""
         scheduler, self._scheduler = self._scheduler, None
+        resender, self._resender = self._resender, None
         if scheduler is not None:
             scheduler.shutdown(wait=True)
+        if resender is not None:
+            resender.join()

@@ -6,8 +6,8 @@ max) in both phases, their ``p99_ratio`` (loaded / idle; target: within 2x), and
 query threads got (200, 408 time limit, 429 refused by the concurrency cap), with
 ``os.getloadavg()`` before and after. Prints one JSON object; progress goes to stderr.
 
-``python -m benchmarks.query_isolation [--phase-seconds 12] [--queries 10] [--batch-events 500]
-[--interval-seconds 0.1] [--agent-config FILE] [--uncapped]``
+``python -m benchmarks.query_isolation [--phase-seconds 12] [--queries 10] [--batch-events 250]
+[--interval-seconds 0.05] [--agent-config FILE] [--uncapped]``
 
 ``--uncapped`` runs the same with the cap lifted (``sql_max_concurrent_queries: 64``) and all
 CPUs given to DuckDB (``duckdb_threads``), for comparison.
@@ -150,8 +150,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--phase-seconds", type=float, default=12.0)
     parser.add_argument("--queries", type=int, default=10)
-    parser.add_argument("--batch-events", type=int, default=500)
-    parser.add_argument("--interval-seconds", type=float, default=0.1)
+    parser.add_argument("--batch-events", type=int, default=250)
+    parser.add_argument("--interval-seconds", type=float, default=0.05)
     parser.add_argument("--agent-config", type=Path, default=None)
     parser.add_argument(
         "--uncapped", action="store_true", help="also run with the cap lifted, for comparison"

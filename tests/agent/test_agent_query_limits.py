@@ -8,10 +8,12 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from agent import sql
 from agent.app import create_app
 from agent.client import DEFAULT_QUERY_TIMEOUT_SECONDS
 from agent.config import AgentConfig
@@ -130,3 +132,14 @@ def test_gate_rejects_bad_sizes() -> None:
         QueryGate(0, 1.0)
     with pytest.raises(ValueError, match="queue_timeout_seconds"):
         QueryGate(1, -1.0)
+
+
+def test_closing_the_store_waits_for_a_query_still_running(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "close.duckdb", threads=1)
+    ended = threading.Event()
+    with pytest.raises(sql.SqlTimeout, match="one long function call"):
+        sql.run_read_query(store, LONG_CALL, row_limit=1, timeout_seconds=0.1, on_done=ended.set)
+    assert not ended.is_set()
+    store.close()  # DuckDB refuses to close under a running cursor: close waits for it
+    assert not store.is_open
+    wait_until(ended.is_set, "on_done")  # the worker calls it just after its cursor closed
