@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ BATCHES = 40
 # its batches are only in the WAL.
 _WRITER = """
 import os, sys, time
+from collections.abc import Callable
 from pathlib import Path
 from agent.durability import AckLog, ack_log_path
 from agent.ingest import SeqTracker, prepare_batch, write_batches
@@ -61,7 +63,7 @@ def db(tmp_path: Path) -> Path:
     return path
 
 
-def flip(at: float):  # noqa: ANN201 - a damage function
+def flip(at: float) -> Callable[[bytes], bytes]:
     def damage(data: bytes) -> bytes:
         i = min(int(len(data) * at), len(data) - 1)
         return data[:i] + bytes([data[i] ^ 0x5A]) + data[i + 1 :]

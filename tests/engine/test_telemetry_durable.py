@@ -175,7 +175,7 @@ def test_a_crash_between_saving_the_offset_and_the_rename_replays_duplicates_nev
 def test_a_full_budget_releases_acknowledged_records_before_refusing_new_ones(tmp_path: Path) -> None:
     path = tmp_path / "e.spool"
     spool = Spool(path, 3 * (12 + 1000))
-    for i in range(3):
+    for _ in range(3):
         assert spool.append(b"x" * 1000, 1)
     spool.sent(0)
     spool.sent(1)
