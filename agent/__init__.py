@@ -11,7 +11,8 @@ The agent is the only process that opens the DuckDB file read-write. Module map:
 * :mod:`agent.bulk_histogram`, :mod:`agent.batch_summary` — batch-at-a-time histograms, and what
   a batch adds to the metrics (computed in the decode worker);
 * :mod:`agent.process_metrics` — process memory and start time, DuckDB's memory, at scrape time;
-* :mod:`agent.sql` — the read-only SQL sandbox (statement check, row cap, time limit, renderers);
+* :mod:`agent.sql` — the read-only SQL sandbox (row cap, time limit, renderers);
+  :mod:`agent.sql_check` — its statement check (admission);
 * :mod:`agent.queries` — named, parameterised queries for the dashboard and alerts;
 * :mod:`agent.app` — the FastAPI application (HTTP endpoints);
 * :mod:`agent.server` — :func:`~agent.server.serve`, what ``kvscope agent`` runs;

@@ -39,7 +39,7 @@ they share.
 * ``GET /metrics`` — Prometheus text exposition of the agent's own registry, rendered in a worker
   thread (never on the event loop); free-form labels are capped (:mod:`agent.label_cap`).
 * ``GET /healthz`` — 200 while the process runs (never needs the token).
-* ``GET /readyz`` — 200 ``{"status": "ready"|"degraded", "schema_version", "degraded"}`` once
+* ``GET /readyz`` — 200 ``{"status": "ready"|"degraded", "schema_version", "degraded", "limits"}`` once
   the store is open and migrated and the data directory can be written (degraded: conditions of
   :class:`agent.health.Health`, such as a quarantined WAL); else 503 ``{"status": "not_ready",
   "reasons": [...]}`` (:func:`agent.readiness.readiness`).
@@ -130,7 +130,9 @@ def create_app(
     over the store; closed — queued batches flushed — when the app shuts down) hold what the app
     uses.
     """
-    metrics = metrics if metrics is not None else AgentMetrics(label_max_values=config.metric_label_max_values)
+    metrics = metrics if metrics is not None else AgentMetrics(
+        label_max_values=config.metric_label_max_values, label_idle_seconds=config.metric_label_idle_seconds
+    )
     owns_store = store is None
 
     def new_ingestor(target: Store) -> Ingestor:
@@ -244,6 +246,7 @@ def create_app(
             store_open=is_open,
             disk_problem=disk_problem,
             degraded=app.state.health.degraded,
+            limits={"sql_timeout_seconds": config.sql_timeout_seconds, "sql_queue_timeout_seconds": config.sql_queue_timeout_seconds},
         )
         return JSONResponse(body, status_code=status)
 

@@ -64,6 +64,21 @@ class BulkHistogram(Collector):
             series[0][:] += np.asarray(counts, dtype=np.int64)
             series[1][0] += total
 
+    def remove_by_labels(self, labels: dict[str, str]) -> None:
+        """Remove every series whose labels include all of ``labels`` (as
+        ``prometheus_client``'s ``MetricWrapperBase.remove_by_labels``).
+
+        Raises:
+            ValueError: a label name this histogram does not have.
+        """
+        unknown = [k for k in labels if k not in self.labelnames]
+        if unknown:
+            raise ValueError(f"{self.name}: unknown label names {unknown}; expected {self.labelnames}")
+        wanted = [(self.labelnames.index(k), v) for k, v in labels.items()]
+        with self._lock:
+            for key in [k for k in self._series if all(k[i] == v for i, v in wanted)]:
+                del self._series[key]
+
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         with self._lock:

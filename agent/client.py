@@ -24,12 +24,32 @@ DEFAULT_QUERY_TIMEOUT_SECONDS = 30.0
 """How long :meth:`AgentClient.sql` and :meth:`AgentClient.query_table` wait for an answer. It must
 exceed the agent's ``sql_timeout_seconds`` + ``sql_queue_timeout_seconds`` (+ 0.1 s for an
 interrupt to land): then the agent's own 408 or 429, with its reason, arrives before the client
-gives up. The agent's defaults (10 s + 2 s) leave 18 s for transfer; raise it with
-``query_timeout_seconds`` when the agent's limits are raised."""
+gives up. The agent's defaults (10 s + 2 s) leave 18 s for transfer; an agent whose limits were
+raised says so in its ``/readyz`` body, and :func:`query_timeout_for` derives the timeout from
+them (pass it as ``query_timeout_seconds``; the dashboard does)."""
+QUERY_TIMEOUT_MARGIN_SECONDS = 18.0
+"""Added to the agent's published limits by :func:`query_timeout_for`: the interrupt's grace and
+the transfer (the agent's defaults then give :data:`DEFAULT_QUERY_TIMEOUT_SECONDS`)."""
 
 
 class AgentError(Exception):
     """The agent could not answer; ``str(error)`` is a message for the user."""
+
+
+def query_timeout_for(readiness: Mapping[str, Any]) -> float | None:
+    """The query timeout, seconds, fit for the agent whose ``/readyz`` body is ``readiness``:
+    its ``limits.sql_timeout_seconds`` + ``limits.sql_queue_timeout_seconds`` +
+    :data:`QUERY_TIMEOUT_MARGIN_SECONDS`; ``None`` when the body names no such limits (an older
+    agent) or they are not non-negative finite numbers."""
+    limits = readiness.get("limits")
+    if not isinstance(limits, Mapping):
+        return None
+    parts: list[float] = []
+    for value in (limits.get("sql_timeout_seconds"), limits.get("sql_queue_timeout_seconds")):
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < float("inf"):
+            return None
+        parts.append(float(value))
+    return sum(parts) + QUERY_TIMEOUT_MARGIN_SECONDS
 
 
 def default_agent_url(environ: Mapping[str, str] = os.environ) -> str:
@@ -166,8 +186,8 @@ class AgentClient:
 
     def readyz(self) -> dict[str, Any]:
         """``GET /readyz``'s body, whatever its status code: ``{"status": "ready" | "degraded" |
-        "not_ready", "schema_version", "degraded": [{"reason", "detail", "since"}], "reasons"
-        (not_ready only)}`` (see :func:`agent.readiness.readiness`). An answer that is not such
+        "not_ready", "schema_version", "degraded": [{"reason", "detail", "since"}], "limits",
+        "reasons" (not_ready only)}`` (see :func:`agent.readiness.readiness`). An answer that is not such
         an object (an older agent's 503, a 401 for a wrong token) comes back as ``{"status":
         "not_ready", "reasons": [its reason], "degraded": []}``.
 

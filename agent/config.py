@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from agent.label_cap import DEFAULT_MAX_VALUES
+from agent.label_cap import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_VALUES
 from agent.pipeline import FULL_POLICIES
 
 MiB = 1024 * 1024
@@ -58,6 +58,7 @@ UPPER_BOUNDS: dict[str, float] = {
     "checkpoint_interval_seconds": 7 * DAY,
     "gpu_sample_seconds": DAY,
     "metric_label_max_values": 10_000,
+    "metric_label_idle_seconds": 365 * DAY,
 }
 """Largest accepted values: beyond them a setting makes no sense and would overflow a timer or
 a date computation."""
@@ -140,9 +141,15 @@ class AgentConfig:
         gpu_sample_seconds: NVML sampling period (``gpu_stats`` and ``kvscope_gpu_*``); ``None``
             turns the sampler off. Without a GPU it logs once and stays off.
         metric_label_max_values: distinct values each free-form metric label (``engine``,
-            ``model``) keeps: the first ones seen since the agent started; later values are
-            exported as ``other`` and counted in ``kvscope_metric_label_values_folded_total``
+            ``model``) keeps: the first ones seen (see ``metric_label_idle_seconds``); later
+            values are exported as ``other`` and counted in ``kvscope_metric_label_values_folded_total``
             (:mod:`agent.label_cap`). Bounds ``/metrics``; the stored events keep every value.
+        metric_label_idle_seconds: when a label is at ``metric_label_max_values`` and a new value
+            arrives, the kept value unseen longest is evicted if unseen for this many seconds
+            (every series carrying it is removed, counted in
+            ``kvscope_metric_label_values_evicted_total``) and the new value takes its slot, so
+            engine ids that died (a new ``host-pid-start`` id per engine run) do not hold the
+            slots forever. ``None``: never evict (the first values are kept until restart).
     """
 
     host: str = "127.0.0.1"
@@ -177,6 +184,7 @@ class AgentConfig:
     checkpoint_wal_bytes: int = 16 * MiB
     gpu_sample_seconds: float | None = 15.0
     metric_label_max_values: int = DEFAULT_MAX_VALUES
+    metric_label_idle_seconds: float | None = DEFAULT_IDLE_SECONDS
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -232,6 +240,7 @@ class AgentConfig:
             "rollup_retention_days",
             "maintenance_interval_seconds",
             "gpu_sample_seconds",
+            "metric_label_idle_seconds",
         ):
             value = getattr(self, name)
             if value is not None and not value > 0:

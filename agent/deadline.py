@@ -15,6 +15,12 @@ pile up). This is how a server answers a statement timeout while the backend win
 
 The worker thread lowers its own CPU priority (Linux per-thread niceness, :data:`QUERY_NICENESS`),
 so under contention the ingest flush and the HTTP loop are scheduled first.
+
+One :class:`Budget` per query holds the single instant its time limit counts from: the caller's
+wait and the interrupt timer both end at ``start + seconds`` (the timer gets what is left when
+the query starts, after admission on the slow worker). When the caller gives up first,
+:meth:`Budget.abandon` says which case it was: the query never started (and now never will), or
+it ran and was interrupted but has not stopped.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -61,10 +68,60 @@ class Deadline:
                 self.fired = True
                 self._cursor.interrupt()
 
+    def fire_now(self) -> None:
+        """Interrupt at once unless stopped (the limit passed and the timer thread was late)."""
+        self._timer.cancel()
+        self._fire()
+
     def stop(self) -> None:
         with self._lock:
             self._done = True
         self._timer.cancel()
+
+
+class Budget:
+    """One query's time limit, counted from one instant (its creation, by default: before the
+    worker starts) for both the caller's wait and the interrupt timer.
+
+    Args:
+        seconds: the limit, seconds.
+        clock: monotonic seconds (a parameter for tests).
+    """
+
+    def __init__(self, seconds: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = seconds
+        self._clock = clock
+        self._started_at = clock()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self.guard: Deadline | None = None
+        """The interrupt timer, once the query started under it (:meth:`begin`)."""
+
+    def remaining(self) -> float:
+        """Seconds left of the limit (negative once past it)."""
+        return self.seconds - (self._clock() - self._started_at)
+
+    def begin(self, cursor: duckdb.DuckDBPyConnection) -> Deadline | None:
+        """Start the interrupt timer on ``cursor`` for the time left, just before the query
+        runs; ``None`` (run nothing) when no time is left or the caller already gave up."""
+        with self._lock:
+            left = self.remaining()
+            if self._abandoned or left <= 0:
+                return None
+            self.guard = Deadline(cursor, left)
+            self.guard.start()
+            return self.guard
+
+    def abandon(self) -> bool:
+        """The caller stops waiting: True when the query had started (it is interrupted now if
+        its timer was late), False when it had not (:meth:`begin` will refuse it)."""
+        with self._lock:
+            self._abandoned = True
+            guard = self.guard
+        if guard is None:
+            return False
+        guard.fire_now()
+        return True
 
 
 def lower_thread_priority(niceness: int = QUERY_NICENESS) -> None:

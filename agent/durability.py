@@ -1,15 +1,19 @@
-"""End-to-end acknowledgement: the acknowledgement log and the durable watermarks.
+"""End-to-end acknowledgement: the acknowledgement log, the checkpoint epoch and the durable
+watermarks.
 
 An agent's answer to a batch says *committed*: DuckDB wrote and synced its WAL. A WAL can still
 be damaged afterwards (a flipped byte, a truncation), and then batches the agent acknowledged
-are gone. So the agent also publishes, per engine, a **durable watermark**: the highest seq such
-that every batch of that engine received up to it is in a *checkpointed* database file (not only
-in the WAL). The engine's telemetry client keeps each spooled batch until the watermark passes
-its seq and re-sends what is above it whenever it meets a new agent process (a new
-``agent_instance``): batches lost with a damaged WAL are sent again and stored once (the agent
-is idempotent on (engine_id, seq)). This is the contract of the OpenTelemetry Collector's
-persistent queue and of Kafka's ``acks``: a sender deletes only what the receiver has made
-durable. The protocol is written down in ``docs/agent.md``.
+are gone. So the agent also tells, with every answer, when a batch is **durable** — in a
+*checkpointed* database file, not only in the WAL: the answer carries the **checkpoint epoch**
+read after the batch's commit, and the batch is durable once a later answer or poll shows a
+higher epoch from the same agent process (:class:`Durability`). Per engine it also publishes a
+**durable watermark** ``durable_seq``: the highest seq stored in the last checkpoint. The
+engine's telemetry client keeps each spooled batch until it is durable, and re-sends every batch
+not yet durable whenever it meets a new agent process (a new ``agent_instance``): batches lost
+with a damaged WAL are sent again and stored once (the agent is idempotent on (engine_id, seq)).
+This is the contract of the OpenTelemetry Collector's persistent queue and of Kafka's ``acks``:
+a sender deletes only what the receiver has made durable. The protocol is written down in
+``docs/agent.md``.
 
 * :class:`AckLog` — ``<database>.acks`` beside the database: one record per flush listing the
   (engine_id, seq) of the batches it stored, appended after the commit and before any answer is
@@ -18,11 +22,11 @@ durable. The protocol is written down in ``docs/agent.md``.
   acknowledged and lost — the silent WAL damages (a WAL that replays short) become visible.
   Records are ``[u32 length][u32 crc32][msgpack [[engine_id, seq], ...]]``; a torn or corrupt
   record ends the readable part (it belongs to a flush whose answers were never sent). Writes
-  reach the OS (not fsynced): they survive any crash of the agent process, and the watermark,
-  not this log, is what keeps data — the log only makes a loss visible.
-* :class:`Durability` — the watermarks and the agent instance id. :meth:`Durability.checkpoint`
-  runs ``CHECKPOINT`` under the store's writer lock, then moves every engine's watermark to the
-  highest seq it had received before the checkpoint and empties the log.
+  reach the OS (not fsynced): they survive any crash of the agent process, and the epoch, not
+  this log, is what keeps data — the log only makes a loss visible.
+* :class:`Durability` — the checkpoint epoch, the watermarks and the agent instance id.
+  :meth:`Durability.checkpoint` runs ``CHECKPOINT`` under the store's writer lock, then advances
+  the epoch, moves every engine's watermark to its highest stored seq and empties the log.
 
 Raises nothing a user can cause; file errors on the log raise ``OSError`` to the flusher, which
 then answers 503 (the batch is committed and will be a duplicate when re-sent).
@@ -111,34 +115,42 @@ class AckLog:
 
 
 class Durability:
-    """Per-engine durable watermarks, the acknowledgement log and this process's instance id.
+    """The checkpoint epoch, per-engine durable watermarks, the acknowledgement log and this
+    process's instance id.
 
     Args:
         store: the open store.
         ack_log: where flushes record their stored batches (:meth:`record`).
 
-    :meth:`attach` gives it the ingest pipeline's seq tracker (what was received and stored)
-    before the first checkpoint.
+    :meth:`attach` gives it the ingest pipeline's seq tracker (what was stored) before the first
+    checkpoint.
 
-    A watermark never passes a batch found missing at start (acknowledged, then lost with the
-    WAL) until that batch is stored again: the client deletes only what is below the watermark.
+    The **checkpoint epoch** counts the checkpoints this process completed. Each answer carries
+    it, read after the batch's commit: a batch acknowledged at epoch ``e`` is in every checkpoint
+    numbered above ``e`` (checkpoints and commits both hold the writer lock, so a checkpoint that
+    completes after the epoch was read started after the commit). A client deletes a batch once
+    it sees an epoch above the one it was acknowledged at, from the same ``instance`` — which
+    stays true whatever order batches arrived in and whatever was lost. ``durable_seq`` per
+    engine (the highest seq of the 0-based numbering stored in the last checkpoint) is published
+    for operators and tools.
     """
 
     def __init__(self, store: Store, ack_log: AckLog) -> None:
         self.store = store
         self.ack_log = ack_log
         self.instance = uuid.uuid4().hex
-        """Changes with every agent process: a client that sees a new one re-sends what is
-        above its watermark."""
+        """Changes with every agent process: a client that sees a new one re-sends every batch
+        not yet durable."""
         self._tracker: SeqTracker | None = None
         self._lock = threading.Lock()
         self._durable: dict[str, int] = {}
-        self._holes: dict[str, set[int]] = {}
+        self._missing: dict[str, set[int]] = {}
+        self._epoch = 0
         self._sync_lock = threading.Lock()
         self._checkpoint_started = 0.0
 
     def attach(self, tracker: SeqTracker) -> None:
-        """Read received and stored seqs from ``tracker`` (the ingest pipeline's)."""
+        """Read stored seqs from ``tracker`` (the ingest pipeline's)."""
         self._tracker = tracker
 
     def record(self, outcomes: Sequence[IngestOutcome]) -> None:
@@ -148,37 +160,44 @@ class Durability:
     def _is_stored(self, engine_id: str, seq: int) -> bool:
         return self._tracker is not None and self._tracker.is_stored(engine_id, seq)
 
+    @property
+    def epoch(self) -> int:
+        """Checkpoints this process completed (0 before the one at start)."""
+        with self._lock:
+            return self._epoch
+
     def durable_seq(self, engine_id: str) -> int | None:
-        """The engine's durable watermark: every batch it sent with a seq up to this one that the
-        agent received is in a checkpointed file. None before its first checkpointed batch."""
+        """The highest seq of ``engine_id`` (0-based numbering) stored in a checkpointed file as
+        of the last checkpoint; None before its first."""
         with self._lock:
             return self._durable.get(engine_id)
 
     def awaiting_resend(self) -> int:
         """Batches found missing at start that are not stored again yet."""
         with self._lock:
-            holes = [(e, s) for e, seqs in self._holes.items() for s in seqs]
-        return sum(1 for e, s in holes if not self._is_stored(e, s))
+            missing = [(e, s) for e, seqs in self._missing.items() for s in seqs]
+        return sum(1 for e, s in missing if not self._is_stored(e, s))
 
     def start(self, missing: Mapping[str, Iterable[int]]) -> None:
-        """At start, after the missing batches were found: checkpoint, and keep every watermark
-        below the engine's lowest missing seq until it is stored again."""
+        """At start, after the missing batches were found (counted by :meth:`awaiting_resend`
+        until stored again): checkpoint, so everything in the file is durable at epoch 1."""
         with self._lock:
             for engine_id, seqs in missing.items():
-                self._holes.setdefault(engine_id, set()).update(seqs)
+                self._missing.setdefault(engine_id, set()).update(seqs)
         self.checkpoint()
 
     def checkpoint(self) -> None:
-        """``CHECKPOINT`` the store, then raise every engine's watermark to what it had received
-        before it (below its missing batches) and empty the acknowledgement log — under the
-        writer lock, so no flush commits in between.
+        """``CHECKPOINT`` the store, then advance the epoch, update the watermarks and empty the
+        acknowledgement log — under the writer lock, so no flush commits in between.
 
         Raises:
-            duckdb.Error, StoreClosedError: the checkpoint failed; watermarks and log unchanged.
+            duckdb.Error, StoreClosedError: the checkpoint failed; epoch, watermarks and log
+                unchanged.
         """
         started = time.monotonic()
         self.store.checkpoint(after=self._checkpointed)
-        self._checkpoint_started = max(self._checkpoint_started, started)
+        with self._lock:
+            self._checkpoint_started = max(self._checkpoint_started, started)
 
     def sync(self, requested_at: float) -> None:
         """Checkpoint unless one started after ``requested_at`` (``time.monotonic()``): what a
@@ -189,26 +208,23 @@ class Durability:
             duckdb.Error, StoreClosedError: as :meth:`checkpoint`.
         """
         with self._sync_lock:
-            if self._checkpoint_started > requested_at:
-                return
+            with self._lock:
+                if self._checkpoint_started > requested_at:
+                    return
             self.checkpoint()
 
     def _checkpointed(self) -> None:
         if self._tracker is None:
             raise RuntimeError("Durability.checkpoint before attach(): no seq tracker")
-        tops = self._tracker.tops()
-        with self._lock:
-            for engine_id, holes in list(self._holes.items()):
-                holes.difference_update({s for s in holes if self._is_stored(engine_id, s)})
-                if not holes:
-                    del self._holes[engine_id]
-            for engine_id, seq in tops.items():
-                pending = self._holes.get(engine_id)
-                if pending:
-                    seq = min(seq, min(pending) - 1)
-                if seq > self._durable.get(engine_id, -1):
-                    self._durable[engine_id] = seq
+        tops = self._tracker.stored_tops()
         self.ack_log.clear()
+        with self._lock:
+            self._durable.update(tops)
+            self._epoch += 1
+            for engine_id in list(self._missing):
+                self._missing[engine_id] = {s for s in self._missing[engine_id] if not self._is_stored(engine_id, s)}
+                if not self._missing[engine_id]:
+                    del self._missing[engine_id]
 
 
 def fsync_dir(path: Path) -> None:

@@ -391,10 +391,12 @@ class SeqTracker:
             if stored:
                 self._stored.setdefault(engine_id, SeqRanges()).add(seq)
 
-    def tops(self) -> dict[str, int]:
-        """Engine id → the highest seq received (stored or filed as rejected)."""
+    def stored_tops(self) -> dict[str, int]:
+        """Engine id → the highest seq stored in the 0-based numbering (below
+        :data:`LEGACY_SEQ_FLOOR`), for engines with one."""
         with self._lock:
-            return {e: r.max for e, r in self._seen.items()}
+            tops = {e: r.top_in_numbering(0) for e, r in self._stored.items()}
+        return {e: t for e, t in tops.items() if t is not None and t >= 0}
 
     def missing(self) -> dict[str, int]:
         """Engine id → seqs never received below its highest, for engines with any."""

@@ -28,11 +28,14 @@ The agent's own ingest health: ``kvscope_ingest_batches_total{status}``,
 
 Bounded labels: ``engine`` and ``model`` come from the events, so each keeps at most
 ``label_max_values`` (config ``metric_label_max_values``, default 100) distinct values — the
-first ones seen, for the life of the process — and every later value is folded into ``other``
-(:mod:`agent.label_cap`: why the first, not the busiest). Folding preserves sums: the ``other``
-series holds exactly the folded values' counts and token sums.
-``kvscope_metric_label_values_folded_total{label}`` counts the distinct values folded per label
-(``engine``, ``model``).
+first ones seen — and every later value is folded into ``other`` (:mod:`agent.label_cap`: why
+the first, not the busiest). Folding preserves sums: the ``other`` series holds exactly the
+folded values' counts and token sums. When a label is full, a kept value unseen for
+``label_idle_seconds`` (config ``metric_label_idle_seconds``, default an hour) makes room for a
+new one: every series carrying it is removed from every metric with the label (counters,
+histograms, the ratio gauge). ``kvscope_metric_label_values_folded_total{label}`` counts the
+distinct values folded per label (``engine``, ``model``),
+``kvscope_metric_label_values_evicted_total{label}`` the values evicted.
 
 The process: ``process_resident_memory_bytes``, ``process_start_time_seconds`` and the other
 ``process_*`` metrics of prometheus_client's ``ProcessCollector``; ``kvscope_duckdb_memory_bytes``
@@ -50,6 +53,8 @@ importable from here as before.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -58,7 +63,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from agent.batch_summary import TTFT_BUCKETS, BatchSummary, Labels, summarize_tables
 from agent.bulk_histogram import BulkHistogram, bucket_counts
 from agent.ingest import RECOVERY_BUCKETS, IngestOutcome
-from agent.label_cap import DEFAULT_MAX_VALUES, LabelCap, SeriesFolder
+from agent.label_cap import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_VALUES, LabelCap, SeriesFolder
 from agent.process_metrics import SourcedGauge, register_process_collector
 
 __all__ = [
@@ -104,15 +109,27 @@ class AgentMetrics:
         label_max_values: distinct values kept per free-form label (``engine``, ``model``); later
             values are folded into ``other`` (:mod:`agent.label_cap`). The agent passes
             ``metric_label_max_values``.
+        label_idle_seconds: a kept value unseen this long (by ``clock``, seconds) is evicted,
+            its series removed, when a new value arrives at a full cap; ``None`` never evicts.
+            The agent passes ``metric_label_idle_seconds``.
+        clock: the label cap's clock (monotonic seconds), injectable for tests.
 
     Raises:
-        ValueError: ``label_max_values`` < 1.
+        ValueError: ``label_max_values`` < 1, ``label_idle_seconds`` not > 0 (and not None).
     """
 
-    def __init__(self, *, label_max_values: int = DEFAULT_MAX_VALUES) -> None:
+    def __init__(
+        self,
+        *,
+        label_max_values: int = DEFAULT_MAX_VALUES,
+        label_idle_seconds: float | None = DEFAULT_IDLE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.label_cap = LabelCap(CAPPED_LABELS, label_max_values, r)
+        self.label_cap = LabelCap(
+            CAPPED_LABELS, label_max_values, r, idle_seconds=label_idle_seconds, clock=clock, on_evict=self._forget
+        )
         register_process_collector(r)
         self.duckdb_memory = SourcedGauge(
             "kvscope_duckdb_memory_bytes",
@@ -245,6 +262,32 @@ class AgentMetrics:
             registry=r,
         )
         self._ratio_series: set[SeriesKey] = set()
+        self._ratio_lock = threading.Lock()
+
+    def _forget(self, label: str, value: str) -> None:
+        """Remove every series whose ``label`` is ``value`` (the label cap evicted it)."""
+        for metric in (
+            self.cache_lookups,
+            self.lookup_hash_hit_tokens,
+            self.lookup_usable_tokens,
+            self.lookup_recoverable_tokens,
+            self.invalidations,
+            self.requests,
+            self.prompt_tokens,
+            self.hash_hit_tokens,
+            self.recoverable_tokens,
+            self.replayed_tokens,
+            self.recomputed_tokens,
+            self.recovery_seconds,
+            self.request_ttft_seconds,
+        ):
+            metric.remove_by_labels({label: value})
+        position = CAPPED_LABELS.index(label)
+        with self._ratio_lock:
+            gone = {key for key in self._ratio_series if key[position] == value}
+            for key in gone:
+                self.recoverable_hit_ratio.remove(*key)
+            self._ratio_series -= gone
 
     def exposition(self) -> bytes:
         """The text exposition format of this registry (``GET /metrics``). It reads every
@@ -331,8 +374,9 @@ class AgentMetrics:
             for labels, (recoverable, prompt) in folded.items()
             if prompt > 0
         }
-        for key in self._ratio_series - ratios.keys():
-            self.recoverable_hit_ratio.remove(*key)
-        for key, ratio in ratios.items():
-            self.recoverable_hit_ratio.labels(*key).set(ratio)
-        self._ratio_series = set(ratios)
+        with self._ratio_lock:
+            for key in self._ratio_series - ratios.keys():
+                self.recoverable_hit_ratio.remove(*key)
+            for key, ratio in ratios.items():
+                self.recoverable_hit_ratio.labels(*key).set(ratio)
+            self._ratio_series = set(ratios)

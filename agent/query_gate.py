@@ -8,8 +8,10 @@ query has really ended — not when its caller got a 408 — so queries DuckDB c
 (:mod:`agent.deadline`) cannot pile up.
 
 Alert rule inputs (:mod:`alerts.inputs`) do not pass through the gate: they are the agent's own
-reserved path, never refused. The rule scheduler runs them one after another on its own thread,
-so they add at most one query to those admitted here.
+reserved path, never refused. They add at most one running query per rule to those admitted
+here — not one in all: rule groups evaluate concurrently, and an ``expr`` query answered as timed
+out may still run when the next evaluation starts, so a rule whose previous query still runs is
+skipped for that evaluation (:class:`alerts.inputs.RunningQueries`) rather than starting another.
 
 The gate is an :class:`asyncio.Semaphore` bound to the app's event loop (waiting costs no
 thread); the worker thread that ran the query releases its slot through

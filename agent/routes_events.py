@@ -107,6 +107,7 @@ def event_routes(
         answer: dict[str, object] = {"status": outcome.status, "events": outcome.events}
         if durability is not None:
             answer["seq"] = outcome.seq
+            answer["checkpoint_epoch"] = durability.epoch  # read after the commit: see agent.durability
             answer["durable_seq"] = durability.durable_seq(outcome.engine_id)
             answer["agent_instance"] = durability.instance
         return JSONResponse(answer)
@@ -118,7 +119,14 @@ def event_routes(
 
     def watermark_answer(engine_id: str) -> JSONResponse:
         current = current_durability()
-        return JSONResponse({"engine_id": engine_id, "durable_seq": current.durable_seq(engine_id), "agent_instance": current.instance})
+        return JSONResponse(
+            {
+                "engine_id": engine_id,
+                "checkpoint_epoch": current.epoch,
+                "durable_seq": current.durable_seq(engine_id),
+                "agent_instance": current.instance,
+            }
+        )
 
     @router.get("/v1/ingest/watermark")
     async def ingest_watermark(engine_id: str) -> JSONResponse:

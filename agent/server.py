@@ -40,9 +40,10 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
     shuts down as on SIGTERM).
 
     Raises:
-        agent.wal_guard.DatabaseUnusableError: the database cannot be opened even without its
-            WAL, or another agent holds the file (the message names the process).
-        duckdb.Error: the store cannot be opened or migrated.
+        agent.wal_guard.DatabaseUnusableError: the database cannot be opened for a reason other
+            than a damaged WAL (a damaged file, a full disk: the message says which).
+        duckdb.Error: the store cannot be opened or migrated (another agent holding the file:
+            ``duckdb.IOException`` naming its process).
         OSError: the port cannot be bound.
         alerts.rulefile.RuleFileError: ``config.alert_rules_file`` cannot be used.
         alerts.notify_config.NotifyConfigError: ``config.alert_notify_file`` cannot be used.
@@ -50,7 +51,9 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
     rules = load_rule_file(config.alert_rules_file or DEFAULT_RULES_PATH)
     notify = load_notify_config(config.alert_notify_file or DEFAULT_NOTIFY_PATH, data_dir=config.data_dir)
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    metrics = AgentMetrics(label_max_values=config.metric_label_max_values)
+    metrics = AgentMetrics(
+        label_max_values=config.metric_label_max_values, label_idle_seconds=config.metric_label_idle_seconds
+    )
     health = Health()
     guarded = open_guarded_store(
         config.db_path,
@@ -107,8 +110,10 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
         except Exception:  # the close below checkpoints again and raises what is wrong
             log.exception("the last checkpoint failed")
         durability.ack_log.close()
-        store.close()
-        log.info("agent stopped; store %s checkpointed and closed", config.db_path)
+        if store.close():
+            log.info("agent stopped; store %s checkpointed and closed", config.db_path)
+        else:  # a query DuckDB cannot stop yet: store.close logged it; the WAL holds every write
+            log.warning("agent stopped; store %s checkpointed, its connection left to the process's exit", config.db_path)
 
 
 @contextmanager

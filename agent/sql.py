@@ -2,11 +2,12 @@
 
 Rules, in the order they apply:
 
-1. **One read statement.** The text is split and typed by DuckDB's own parser
-   (``duckdb.extract_statements``); exactly one statement of type ``SELECT`` is admitted (this
-   includes ``WITH``, ``FROM t``, ``VALUES``, ``DESCRIBE``, ``SHOW``, ``SUMMARIZE``). Anything else
-   — ``COPY``, ``ATTACH``, ``SET``, ``INSERT``, ``DELETE``, ``PRAGMA``, ``CALL``, ``EXPLAIN`` — or
-   more than one statement is refused (:class:`SqlForbidden`, HTTP 403).
+1. **One read statement** (:mod:`agent.sql_check`). The text is split and typed by DuckDB's own
+   parser (``duckdb.extract_statements``); exactly one statement of type ``SELECT`` is admitted
+   (this includes ``WITH``, ``FROM t``, ``VALUES``, ``DESCRIBE``, ``SHOW``, ``SUMMARIZE``).
+   Anything else — ``COPY``, ``ATTACH``, ``SET``, ``INSERT``, ``DELETE``, ``PRAGMA``, ``CALL``,
+   ``EXPLAIN`` — or more than one statement is refused (:class:`SqlForbidden`, HTTP 403); one
+   nested too deep to check is a 400.
 2. **No files.** The store disabled external access for the whole instance, so ``read_csv``,
    ``glob`` or ``read_parquet`` on a path fail with DuckDB's permission error (HTTP 400).
 3. **Read-only transaction.** The statement runs inside ``BEGIN TRANSACTION READ ONLY`` on its own
@@ -18,6 +19,9 @@ Rules, in the order they apply:
    limit covers execution and fetching. :func:`run_read_query` runs the query on a worker thread
    (:mod:`agent.deadline`), so the 408 comes at the limit even for one long function call that
    DuckDB can only stop when the call returns; the worker ends later and then calls ``on_done``.
+   The limit counts from before the worker starts, for the wait and the timer alike: admission
+   on the slow worker spends it, and a query whose limit passed before it started never runs
+   (its 408 says so).
 6. **UTC.** The store's connections use ``TimeZone = 'UTC'`` (:mod:`agent.duckdb_settings`),
    so ``now()`` and timestamp arithmetic do not depend on the host's time zone.
 """
@@ -28,7 +32,6 @@ import base64
 import contextlib
 import csv
 import io
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
@@ -40,8 +43,25 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from agent.deadline import INTERRUPT_GRACE_SECONDS, Deadline, StillRunning, run_in_worker
+from agent.deadline import INTERRUPT_GRACE_SECONDS, Budget, StillRunning, run_in_worker
+from agent.sql_check import FORBIDDEN_FUNCTIONS, SqlError, SqlForbidden, check_read_only
 from agent.store import Store
+
+__all__ = [
+    "FORBIDDEN_FUNCTIONS",
+    "MEDIA_TYPES",
+    "RESULT_FORMATS",
+    "ResultFormat",
+    "ResultSet",
+    "SqlError",
+    "SqlForbidden",
+    "SqlTimeout",
+    "check_read_only",
+    "render",
+    "rows_of",
+    "run_on_connection",
+    "run_read_query",
+]
 
 ResultFormat = Literal["json", "csv", "arrow"]
 RESULT_FORMATS: tuple[ResultFormat, ...] = ("json", "csv", "arrow")
@@ -51,22 +71,6 @@ MEDIA_TYPES: dict[ResultFormat, str] = {
     "arrow": "application/vnd.apache.arrow.stream",
 }
 _BATCH_ROWS = 2048
-
-
-class SqlError(Exception):
-    """A query a user sent that cannot be answered; ``status`` is the HTTP status to return."""
-
-    status = 400
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class SqlForbidden(SqlError):
-    """Not exactly one read (SELECT) statement."""
-
-    status = 403
 
 
 class SqlTimeout(SqlError):
@@ -88,72 +92,6 @@ class ResultSet:
     @property
     def row_count(self) -> int:
         return self.table.num_rows
-
-
-def check_read_only(sql: str) -> str:
-    """Return the single statement of ``sql`` if it is a read (SELECT) statement.
-
-    Raises:
-        SqlError: the text does not parse (DuckDB's message) or holds no statement.
-        SqlForbidden: more than one statement, or a statement that is not a SELECT.
-    """
-    try:
-        statements = duckdb.extract_statements(sql)
-    except duckdb.Error as exc:
-        raise SqlError(str(exc)) from None
-    if not statements:
-        raise SqlError("no SQL statement given")
-    if len(statements) > 1:
-        raise SqlForbidden(
-            f"exactly one statement is allowed, got {len(statements)}; send them one at a time"
-        )
-    kind = statements[0].type
-    if kind != duckdb.StatementType.SELECT:
-        raise SqlForbidden(
-            f"only read statements (SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW) are allowed, "
-            f"not {kind.name}"
-        )
-    called = _function_names(sql) & FORBIDDEN_FUNCTIONS
-    if called:
-        raise SqlForbidden(f"function {sorted(called)[0]}() is not allowed here (it can write or run other SQL)")
-    return sql
-
-
-FORBIDDEN_FUNCTIONS = frozenset({"checkpoint", "force_checkpoint", "query", "query_table"})
-"""Functions a SELECT may call that write (``checkpoint`` folds the WAL into the file) or that
-run SQL given as a string (which this check could not see)."""
-
-
-def _function_names(sql: str) -> set[str]:
-    """Names of every function the statement calls, from DuckDB's own parse tree
-    (``json_serialize_sql``, on a throwaway in-memory database).
-
-    Raises:
-        SqlForbidden: DuckDB cannot serialise the statement, so it cannot be checked.
-    """
-    con = duckdb.connect(":memory:")
-    try:
-        (text,) = con.execute("SELECT json_serialize_sql($1)", [sql]).fetchall()[0]
-    finally:
-        con.close()
-    tree = json.loads(text)
-    if tree.get("error"):
-        raise SqlForbidden(
-            f"this statement cannot be checked ({tree.get('error_message', 'not serialisable')}); "
-            "write it as a plain SELECT"
-        )
-    names: set[str] = set()
-    stack: list[object] = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            name = node.get("function_name")
-            if isinstance(name, str):
-                names.add(name.lower())
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return names
 
 
 def run_read_query(
@@ -182,20 +120,32 @@ def run_read_query(
         SqlForbidden: ``untrusted`` and not a single read statement.
     """
 
+    budget = Budget(timeout_seconds)  # one start for the wait below and the interrupt timer
+
     def work() -> ResultSet:
         if untrusted:
             check_read_only(sql)
-        with store.cursor() as cur:
-            return run_on_connection(cur, sql, parameters, row_limit=row_limit, timeout_seconds=timeout_seconds)
+        with store.cursor(purpose="query " + " ".join(sql.split())[:160]) as cur:
+            return run_on_connection(cur, sql, parameters, row_limit=row_limit, timeout_seconds=timeout_seconds, budget=budget)
 
     try:
-        return run_in_worker(work, wait_seconds=timeout_seconds + INTERRUPT_GRACE_SECONDS, on_done=on_done)
+        return run_in_worker(work, wait_seconds=budget.remaining() + INTERRUPT_GRACE_SECONDS, on_done=on_done)
     except StillRunning:
+        if not budget.abandon():
+            raise SqlTimeout(_not_started(timeout_seconds)) from None
         raise SqlTimeout(
             f"query exceeded the time limit of {timeout_seconds:g} s; it was interrupted but is one "
             "long function call that ends only when that call returns (it keeps its query slot "
             "until then)"
         ) from None
+
+
+def _not_started(timeout_seconds: float) -> str:
+    return (
+        f"the time limit of {timeout_seconds:g} s passed before the query started (the agent was "
+        "too busy: checking the SQL and opening its cursor took that long); it was not run and "
+        "will not be, send it again"
+    )
 
 
 def run_on_connection(
@@ -205,22 +155,29 @@ def run_on_connection(
     *,
     row_limit: int,
     timeout_seconds: float,
+    budget: Budget | None = None,
 ) -> ResultSet:
     """Run one admitted SELECT on ``cur`` (a connection or cursor used by this thread only) in a
     read-only transaction that is rolled back, fetching at most ``row_limit`` rows and
     interrupting it after ``timeout_seconds``.
 
+    ``budget``: the time limit counted from an earlier instant (:func:`run_read_query`'s, so the
+    interrupt comes when its caller stops waiting); ``None``: ``timeout_seconds`` from now.
+
     Raises:
         SqlError: DuckDB rejected or failed the query (its message; permission errors included).
-        SqlTimeout: the query was interrupted after ``timeout_seconds``.
+        SqlTimeout: the query was interrupted at the limit, or the budget was spent (or given up
+            by its caller) before the query started (then nothing ran).
         ValueError: ``row_limit`` below 1.
     """
     if row_limit < 1:
         raise ValueError(f"row_limit must be >= 1, got {row_limit}")
-    guard = Deadline(cur, timeout_seconds)
+    budget = budget if budget is not None else Budget(timeout_seconds)
     cur.execute("BEGIN TRANSACTION READ ONLY")
     try:
-        guard.start()
+        guard = budget.begin(cur)
+        if guard is None:
+            raise SqlTimeout(_not_started(budget.seconds))
         try:
             relation = cur.sql(sql, params=dict(parameters) if parameters else None)
             if relation is None:  # a SELECT always yields a relation; be loud if not
@@ -246,9 +203,9 @@ def run_on_connection(
         finally:
             guard.stop()
     except duckdb.InterruptException:
-        if guard.fired:
+        if guard is not None and guard.fired:
             raise SqlTimeout(
-                f"query exceeded the time limit of {timeout_seconds:g} s and was interrupted"
+                f"query exceeded the time limit of {budget.seconds:g} s and was interrupted"
             ) from None
         raise
     except duckdb.Error as exc:

@@ -10,11 +10,12 @@ Order (see :mod:`agent.wal_guard` and :mod:`agent.durability`):
 4. The WAL's kept copy is dropped, or quarantined when batches were missing.
 5. The acknowledgement log is opened and a :class:`~agent.durability.Durability` made; the caller
    attaches the ingest pipeline's tracker and calls :meth:`GuardedStore.start`, which
-   checkpoints (watermarks = everything now in the file, kept below the missing batches).
+   checkpoints (epoch 1: everything now in the file is durable).
 
 Metrics (on the agent's registry): ``kvscope_store_wal_quarantined_total`` (WALs moved aside at
 start), ``kvscope_store_acknowledged_batches_missing_total`` (batches found acknowledged but not
 stored at start), ``kvscope_store_batches_awaiting_resend`` (of those, not stored again yet).
+The watermarks and the checkpoint epoch are :class:`~agent.durability.Durability`'s.
 Each finding also adds a degraded condition (:mod:`agent.health`) and an ERROR log line.
 """
 
@@ -29,7 +30,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from agent.durability import AckLog, Durability, ack_log_path
 from agent.health import Health
 from agent.store import Store
-from agent.wal_guard import describe_missing, finish, missing_acknowledged, preflight
+from agent.wal_guard import (
+    DatabaseUnusableError,
+    describe_missing,
+    finish,
+    missing_acknowledged,
+    preflight,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +68,9 @@ def open_guarded_store(
     ``memory_limit_bytes``, ``threads``: as :meth:`agent.store.Store.open`).
 
     Raises:
-        agent.wal_guard.DatabaseUnusableError: the file cannot be opened even without its WAL.
+        agent.wal_guard.DatabaseUnusableError: the database cannot be opened for a reason that is
+            not a damaged WAL (a damaged file, a full disk, an unwritable quarantine folder or
+            acknowledgement log).
         duckdb.Error, agent.store.SchemaTooNewError: as :meth:`agent.store.Store.open` (another
             process holding the file: ``duckdb.IOException`` naming it).
     """
@@ -83,7 +92,11 @@ def open_guarded_store(
         ack_file = ack_log_path(db_path)
         missing = missing_acknowledged(store, ack_file)
         evidence = finish(db_path, report, lost=bool(missing))
-        durability = Durability(store, AckLog(ack_file))
+        try:
+            ack_log = AckLog(ack_file)
+        except OSError as exc:
+            raise DatabaseUnusableError(f"cannot open the acknowledgement log {ack_file}: {exc}") from None
+        durability = Durability(store, ack_log)
     except BaseException:
         store.close()
         raise

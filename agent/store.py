@@ -13,12 +13,21 @@ Contract:
   serialised; it commits on normal exit and rolls back on any exception.
 * Readers use :meth:`Store.cursor`: a fresh cursor (DuckDB connection to the same instance) per
   call, so a thread never shares a cursor and a query can be interrupted on its own cursor.
-* :meth:`Store.close` checkpoints and closes; the store cannot be used afterwards.
+* :meth:`Store.close` waits for open cursors (without the writer lock, so a Parquet export
+  holding a cursor can still commit), checkpoints and closes; the store cannot be used afterwards.
+  A query DuckDB cannot stop at once (one long function call, :mod:`agent.deadline`) may outlast
+  the wait: close names it in a warning, interrupts it and retries briefly, and if DuckDB still
+  refuses leaves the connection to the process's exit — committed writes are in the WAL, which
+  the next open replays (:mod:`agent.durability` marks only checkpointed seqs durable).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +40,11 @@ import duckdb
 from agent.duckdb_settings import apply_instance_settings
 from agent.migrations import MIGRATIONS, Migration
 
+log = logging.getLogger(__name__)
+
+CLOSE_INTERRUPT_SECONDS = 2.0
+"""How long :meth:`Store.close` retries, after interrupting the cursors still running past its
+wait, before it leaves the connection open."""
 
 def utc_now() -> datetime:
     """Now as a naive UTC datetime: the form every TIMESTAMP column of the store holds."""
@@ -81,7 +95,12 @@ class Store:
         self._write_lock = threading.Lock()
         self._cursor_lock = threading.Lock()
         self._cursors_closed = threading.Condition(self._cursor_lock)
-        self._open_cursors = 0
+        self._cursors: dict[int, tuple[duckdb.DuckDBPyConnection, str]] = {}
+        """Open cursors by a serial number: the cursor and what it is for."""
+        self._serial = itertools.count()
+        self._close_requested = False
+        self._closing = False  # past close's wait: new cursors are refused
+        self._connection_left_open = False
 
     @classmethod
     def open(
@@ -123,29 +142,56 @@ class Store:
 
     @property
     def is_open(self) -> bool:
-        return self._con is not None
+        """Whether the store can be used: False once :meth:`close` has begun closing."""
+        return self._con is not None and not self._closing
+
+    @property
+    def close_requested(self) -> bool:
+        """True once :meth:`close` was called (it may still be waiting for open cursors, which
+        can still commit meanwhile)."""
+        return self._close_requested
+
+    @property
+    def connection_left_open(self) -> bool:
+        """True after a :meth:`close` that DuckDB refused (a query still ran): DuckDB then runs
+        no new statement on the connection (so the store is not open for use) but still holds
+        the database (and its file lock) until a later ``close()`` succeeds or the process
+        exits."""
+        return self._connection_left_open
+
+    @property
+    def running(self) -> tuple[str, ...]:
+        """What each open cursor is for (its ``purpose``, else its thread's name)."""
+        with self._cursor_lock:
+            return tuple(purpose for _, purpose in self._cursors.values())
 
     @property
     def schema_version(self) -> int:
         return self.open_report.schema_version
 
     def _connection(self) -> duckdb.DuckDBPyConnection:
-        if self._con is None:
+        if self._con is None or self._closing:
             raise StoreClosedError(f"store {self.path} is closed")
         return self._con
 
     @contextmanager
-    def cursor(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A fresh cursor for reading, closed on exit. Use it from one thread only."""
+    def cursor(self, *, purpose: str | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A fresh cursor for reading, closed on exit. Use it from one thread only. ``purpose``
+        (default: the thread's name) is what :meth:`close` names if the cursor outlasts its wait.
+
+        Raises:
+            StoreClosedError: the store is closed or closing.
+        """
         with self._cursor_lock:
             cur = self._connection().cursor()
-            self._open_cursors += 1
+            serial = next(self._serial)
+            self._cursors[serial] = (cur, purpose or f"thread {threading.current_thread().name}")
         try:
             yield cur
         finally:
             cur.close()
             with self._cursor_lock:
-                self._open_cursors -= 1
+                del self._cursors[serial]
                 self._cursors_closed.notify_all()
 
     @contextmanager
@@ -177,22 +223,79 @@ class Store:
             if after is not None:
                 after()
 
-    def close(self, *, cursor_wait_seconds: float = 30.0) -> None:
-        """Checkpoint (fold the WAL into the file) and close. Idempotent.
+    def close(self, *, cursor_wait_seconds: float = 30.0, interrupt_wait_seconds: float = CLOSE_INTERRUPT_SECONDS) -> bool:
+        """Checkpoint (fold the WAL into the file) and close. Idempotent; True once DuckDB's
+        connection is closed.
 
-        First waits up to ``cursor_wait_seconds`` for open cursors to close: DuckDB refuses to
-        close a connection while one of its cursors still runs, as a query answered 408 at its
-        time limit may (one long function call, :mod:`agent.deadline`).
+        First waits up to ``cursor_wait_seconds`` for open cursors to close, without the writer
+        lock (a cursor's holder may still commit): DuckDB refuses to close a connection while
+        one of its cursors still runs, as a query answered 408 at its time limit may (one long
+        function call, :mod:`agent.deadline`). Past the wait it logs a warning naming what still
+        runs, refuses new cursors, checkpoints, and closes; if DuckDB refuses because a cursor is
+        busy, it interrupts the open cursors and retries for ``interrupt_wait_seconds``. If
+        DuckDB still refuses, it logs an error and returns False: :attr:`is_open` is False,
+        :attr:`connection_left_open` True, and a later ``close()`` tries again. Never raises for
+        a busy cursor.
+
+        Raises:
+            duckdb.Error: the checkpoint failed (raised after the close was attempted; the WAL
+                keeps what it did not fold in).
         """
-        with self._write_lock, self._cursor_lock:
+        with self._cursor_lock:
             if self._con is None:
-                return
-            self._cursors_closed.wait_for(lambda: self._open_cursors == 0, timeout=cursor_wait_seconds)
-            con, self._con = self._con, None
+                return True
+            self._close_requested = True
+            if not self._cursors_closed.wait_for(lambda: not self._cursors, timeout=cursor_wait_seconds):
+                log.warning(
+                    "closing store %s: still running after %g s: %s; checkpointing and closing without them",
+                    self.path, cursor_wait_seconds, "; ".join(p for _, p in self._cursors.values()),
+                )
+        with self._write_lock, self._cursor_lock:
+            con = self._con
+            if con is None:  # closed by another thread meanwhile
+                return True
+            self._closing = True
+            failure: duckdb.Error | None = None
+            if not self._connection_left_open:  # after a refused close DuckDB runs no statement on it
+                try:
+                    con.execute("CHECKPOINT")
+                except duckdb.Error as exc:
+                    failure = exc
+            closed = self._close_connection(con, interrupt_wait_seconds)
+            if closed:
+                self._con = None
+            self._connection_left_open = not closed
+        if failure is not None:
+            raise failure
+        return closed
+
+    def _close_connection(self, con: duckdb.DuckDBPyConnection, interrupt_wait_seconds: float) -> bool:
+        """Close ``con`` (the cursor lock held); interrupt busy cursors and retry while DuckDB
+        refuses. False when it still refuses after ``interrupt_wait_seconds``."""
+        try:
+            con.close()
+            return True
+        except duckdb.ResourceInUseException:
+            pass
+        busy = "; ".join(p for _, p in self._cursors.values()) or "a cursor"
+        for cur, _ in self._cursors.values():
+            with contextlib.suppress(duckdb.Error):  # a cursor closed meanwhile
+                cur.interrupt()
+        until = time.monotonic() + interrupt_wait_seconds
+        while True:
+            self._cursors_closed.wait(timeout=max(0.0, min(0.05, until - time.monotonic())))
             try:
-                con.execute("CHECKPOINT")
-            finally:
                 con.close()
+                return True
+            except duckdb.ResourceInUseException:
+                if time.monotonic() >= until:
+                    break
+        log.error(
+            "store %s left open: DuckDB refuses to close it while %s still runs, even %g s after "
+            "an interrupt; committed writes are in its WAL, which the next start replays",
+            self.path, busy, interrupt_wait_seconds,
+        )
+        return False
 
     def __enter__(self) -> Self:
         return self

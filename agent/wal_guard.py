@@ -12,10 +12,13 @@ store:
    failure — even an abort inside DuckDB — cannot take the agent down with it. (DuckDB does not
    always checkpoint a replayed WAL at close; after an explicit ``CHECKPOINT`` a WAL that is
    still there is one DuckDB did not use.)
-3. When that fails while a WAL exists (and not because another process holds the file), the WAL
-   is **quarantined**: renamed to ``<data_dir>/quarantine/<name>.wal.<UTC time>``, bytes kept,
-   and the database opens at its last checkpoint. A WAL DuckDB left in place after a successful
-   open (one it did not recognise) is quarantined the same way.
+3. When the replay fails because of the WAL (DuckDB names it, or the child crashed inside
+   DuckDB) and the database opens once the WAL is set aside, the WAL is **quarantined**: renamed
+   to ``<data_dir>/quarantine/<name>.wal.<UTC time>``, bytes kept, and the database opens at its
+   last checkpoint. A WAL DuckDB left in place after a successful open and checkpoint (one it did
+   not recognise) is quarantined the same way. Anything else — a full or read-only disk, a
+   damaged database file, a timeout, an OOM kill, another process holding the file — moves
+   nothing.
 
 After :class:`~agent.store.Store` opened, :func:`missing_acknowledged` compares the
 acknowledgement log (:mod:`agent.durability`) with ``ingest_batches``: batches acknowledged but
@@ -23,8 +26,9 @@ not stored were lost with the WAL (the silent cases). Either finding makes the a
 **degraded** (:mod:`agent.health`) with a loud log line and a metric; the engines re-send what
 is above their durable watermark, so once their spools drain nothing is lost.
 
-Raises :class:`DatabaseUnusableError` when even the checkpointed file cannot be opened: a
-damaged database file itself is not something the agent can repair.
+Raises :class:`DatabaseUnusableError` when the database cannot be opened for another reason (the
+message says which; ``kvscope agent`` exits 2 with it): a damaged database file itself, a full
+disk, is not something the agent can repair, and its WAL is then left where it was.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections import defaultdict
@@ -55,14 +60,22 @@ import sys
 import duckdb
 con = duckdb.connect(sys.argv[1])
 con.execute("SELECT count(*) FROM duckdb_tables()").fetchall()
+print("replayed", flush=True)
 con.execute("CHECKPOINT")  # fold what was replayed: a WAL still there afterwards was not used
 con.close()
+print("checkpointed", flush=True)
 """
 _LOCK_MARKER = "Conflicting lock is held"
+_NOT_DAMAGE_MARKERS = ("No space left", "File too large", "Permission denied", "Read-only file system", "Disk quota")
+"""Failures of the environment, not of the WAL: the agent refuses to start instead."""
+_CRASH_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+"""Signals of a process that crashed inside DuckDB (a SIGKILL is the OOM killer or an operator)."""
 
 
 class DatabaseUnusableError(RuntimeError):
-    """The database file cannot be opened even without its WAL (the message says why)."""
+    """The database cannot be opened, and it is not a WAL the agent can set aside: the file itself
+    is damaged, the disk is full or read-only, the quarantine folder cannot be written, or
+    opening it took longer than :data:`PREFLIGHT_TIMEOUT_SECONDS` (the message says which)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +92,15 @@ class PreflightReport:
     wal_copy: Path | None = None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _ChildResult:
+    replayed: bool
+    checkpointed: bool
+    error: str | None
+    wal_suspect: bool
+    """Whether the failure can be the WAL's: DuckDB named the WAL, or crashed."""
+
+
 def wal_path(db_path: Path) -> Path:
     return db_path.with_name(db_path.name + ".wal")
 
@@ -87,8 +109,8 @@ def quarantine_dir(db_path: Path) -> Path:
     return db_path.parent / "quarantine"
 
 
-def _open_in_child(db_path: Path) -> str | None:
-    """Open and close ``db_path`` in a child process; None on success, else its error text."""
+def _open_in_child(db_path: Path) -> _ChildResult:
+    """Open (replaying the WAL), checkpoint and close ``db_path`` in a child process."""
     try:
         done = subprocess.run(
             [sys.executable, "-c", _CHILD, str(db_path)],
@@ -98,25 +120,42 @@ def _open_in_child(db_path: Path) -> str | None:
             check=False,
         )
     except subprocess.TimeoutExpired:
-        return f"opening the database did not finish in {PREFLIGHT_TIMEOUT_SECONDS:.0f} s"
+        return _ChildResult(
+            replayed=False,
+            checkpointed=False,
+            error=f"opening the database did not finish in {PREFLIGHT_TIMEOUT_SECONDS:.0f} s",
+            wal_suspect=False,
+        )
+    replayed, checkpointed = "replayed" in done.stdout, "checkpointed" in done.stdout
     if done.returncode == 0:
-        return None
+        return _ChildResult(replayed=replayed, checkpointed=checkpointed, error=None, wal_suspect=False)
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
     if done.returncode < 0:
-        return f"the process opening the database died of signal {-done.returncode}: {' '.join(lines[-3:])}"
-    return lines[-1] if lines else f"exit status {done.returncode}"
+        sig = signal.Signals(-done.returncode)
+        error = f"the process opening the database died of {sig.name}: {' '.join(lines[-3:])}"
+        return _ChildResult(replayed=replayed, checkpointed=False, error=error, wal_suspect=not replayed and sig in _CRASH_SIGNALS)
+    error = lines[-1] if lines else f"exit status {done.returncode}"
+    suspect = not replayed and "WAL" in error and not any(m in error for m in _NOT_DAMAGE_MARKERS)
+    return _ChildResult(replayed=replayed, checkpointed=False, error=error, wal_suspect=suspect)
 
 
 def quarantine(db_path: Path, source: Path, *, now: datetime | None = None) -> Path:
     """Move ``source`` (the WAL, or its kept copy) into the quarantine folder with a UTC time
-    stamp in its name; returns the new path."""
+    stamp in its name; returns the new path.
+
+    Raises:
+        DatabaseUnusableError: the quarantine folder cannot be created or written.
+    """
     folder = quarantine_dir(db_path)
-    folder.mkdir(parents=True, exist_ok=True)
     stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S.%fZ")
     target = folder / f"{wal_path(db_path).name}.{stamp}"
-    os.replace(source, target)
-    fsync_dir(folder)
-    fsync_dir(source.parent)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+        fsync_dir(folder)
+        fsync_dir(source.parent)
+    except OSError as exc:
+        raise DatabaseUnusableError(f"cannot move {source} into the quarantine folder {folder}: {exc}") from None
     return target
 
 
@@ -124,11 +163,15 @@ def preflight(db_path: Path) -> PreflightReport:
     """Make ``db_path`` openable: replay its WAL in a child, quarantine a WAL that cannot be
     replayed (see the module docstring).
 
-    Another process holding the file is not damage: nothing is moved, and the caller's own open
-    then fails naming that process (as DuckDB does).
+    Only a failure that names the WAL (or a crash inside DuckDB) while a WAL exists, and that
+    goes away once the WAL is set aside, quarantines it; a WAL DuckDB leaves unused after an
+    explicit checkpoint is quarantined too. Another process holding the file is not damage:
+    nothing is moved, and the caller's own open then fails naming that process (as DuckDB
+    does).
 
     Raises:
-        DatabaseUnusableError: the file cannot be opened without its WAL either.
+        DatabaseUnusableError: anything else that stops the open — the file itself damaged (the
+            WAL is then left in place), a full or read-only disk, a timeout, an OOM kill.
     """
     wal = wal_path(db_path)
     copy: Path | None = None
@@ -140,29 +183,36 @@ def preflight(db_path: Path) -> PreflightReport:
             log.warning("could not keep a copy of %s before replaying it: %s", wal, exc)
             _discard(copy)
             copy = None
-    error = _open_in_child(db_path)
-    if error is not None and _LOCK_MARKER in error:  # not damage: Store.open names the holder
+    first = _open_in_child(db_path)
+    if first.error is not None and _LOCK_MARKER in first.error:  # not damage: Store.open names the holder
         _discard(copy)
         return PreflightReport()
-    if error is None and not wal.exists():
-        return PreflightReport(wal_copy=copy)
-    if error is None:
+    if first.error is None:
+        if not wal.exists():
+            return PreflightReport(wal_copy=copy)
         error = "DuckDB opened the database without replaying its WAL (its header does not match the file)"
-    if not wal.exists():  # failed without a WAL: the file itself
+    elif wal.exists() and first.wal_suspect:
+        error = first.error
+    else:
         _discard(copy)
-        raise DatabaseUnusableError(f"cannot open {db_path}: {error}")
+        where = "" if not wal.exists() else f"; its WAL {wal} is left in place"
+        raise DatabaseUnusableError(f"cannot open {db_path}: {first.error}{where}")
     target = quarantine(db_path, wal)
+    retry = _open_in_child(db_path)
+    if retry.error is not None:
+        os.replace(target, wal)  # not the WAL's fault after all: leave everything as it was
+        _discard(copy)
+        raise DatabaseUnusableError(
+            f"cannot open {db_path}: {first.error}; nor without its WAL: {retry.error}; the WAL is left in place"
+        )
     _discard(copy)
     log.error(
         "STORE DEGRADED: the WAL of %s could not be replayed (%s); moved to %s (bytes kept); the "
-        "database opens at its last checkpoint and engines re-send what they hold above it",
+        "database opens at its last checkpoint and engines re-send what is not durable",
         db_path,
         error,
         target,
     )
-    retry = _open_in_child(db_path)
-    if retry is not None:
-        raise DatabaseUnusableError(f"cannot open {db_path} even without its WAL: {retry}")
     return PreflightReport(quarantined=target, error=error)
 
 

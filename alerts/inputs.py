@@ -20,13 +20,23 @@ Windows end at ``now − lag`` (late events are allowed for by the ingest lag) a
 * ``expr`` rules — the named query or SQL, run read-only with the agent's row and time limits:
   the ``value`` column is the series' value, every other column a label.
 
+How many queries rule inputs run at once: at most one per rule. The built-in kinds run on their
+group's evaluation thread, which APScheduler never runs twice at once (``max_instances=1``); but
+groups run concurrently, and an ``expr`` query answered as timed out (DuckDB could not stop it at
+once, :mod:`agent.deadline`) goes on in its worker thread while the next evaluation starts. So
+each rule's running ``expr`` query is tracked (:class:`RunningQueries`, released by
+``run_read_query``'s ``on_done`` when the query has really ended), and while it runs the rule is
+skipped with :class:`ExprError` (a rule failure) instead of starting another.
+
 Peer: Prometheus's rule evaluation, where a rule's expression is queried at each evaluation time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 
 import pyarrow as pa
@@ -59,7 +69,45 @@ DAY = 86_400.0
 
 
 class ExprError(ValueError):
-    """An expr rule's query cannot feed an alert (no ``value`` column, a failing query)."""
+    """An expr rule's query cannot feed an alert (no ``value`` column, a failing query, its
+    previous query still running)."""
+
+
+class RunningQueries:
+    """The ``expr`` rules whose query is running (by alert name): at most one each. Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started: dict[str, float] = {}
+
+    def claim(self, alert: str) -> Callable[[], None]:
+        """Mark ``alert``'s query as running; returns its release (idempotent; pass it as
+        ``on_done``).
+
+        Raises:
+            ExprError: ``alert``'s previous query is still running (how long, in the message).
+        """
+        with self._lock:
+            started = self._started.get(alert)
+            if started is not None:
+                raise ExprError(
+                    f"rule {alert}: skipped: its previous query still runs ({self._clock() - started:.1f} s, past "
+                    "its time limit; DuckDB ends it when its current function call returns)"
+                )
+            self._started[alert] = mine = self._clock()
+
+        def release() -> None:
+            with self._lock:
+                if self._started.get(alert) == mine:
+                    del self._started[alert]
+
+        return release
+
+    def running(self) -> frozenset[str]:
+        """The alert names whose query is running now."""
+        with self._lock:
+            return frozenset(self._started)
 
 
 def collect_inputs(
@@ -70,20 +118,23 @@ def collect_inputs(
     lag_seconds: float = 5.0,
     row_limit: int = 10_000,
     timeout_seconds: float = 10.0,
+    running: RunningQueries | None = None,
 ) -> Data:
-    """Every rule's series inputs at ``now`` (unix seconds).
+    """Every rule's series inputs at ``now`` (unix seconds). ``running``: the rules' queries still
+    running (the scheduler's, kept across evaluations); ``None``: a fresh one.
 
     Raises:
-        ExprError: an expr rule's query failed or returned no ``value`` column (the message
-            names the rule).
+        ExprError: an expr rule's query failed, returned no ``value`` column, or is still running
+            from an earlier evaluation (the message names the rule).
         duckdb.Error, StoreClosedError: the store failed.
     """
     end = now - lag_seconds
+    running = RunningQueries() if running is None else running
     data: dict[str, Mapping[tuple[tuple[str, str], ...], SeriesInput]] = {}
     for rule in rules:
         settings = rule.settings
         if rule.expr is not None:
-            data[rule.alert] = _expr(store, rule, now, row_limit, timeout_seconds)
+            data[rule.alert] = _expr(store, rule, now, row_limit, timeout_seconds, running)
         elif isinstance(settings, HitRateDrop):
             start = end - settings.window
             if settings.baseline == "trailing":
@@ -209,17 +260,20 @@ def _unix(moment: datetime) -> float:
     return (moment - datetime(1970, 1, 1)).total_seconds()
 
 
-def _expr(store: Store, rule: Rule, now: float, row_limit: int, timeout_seconds: float) -> dict[tuple[tuple[str, str], ...], SeriesInput]:
+def _expr(
+    store: Store, rule: Rule, now: float, row_limit: int, timeout_seconds: float, running: RunningQueries
+) -> dict[tuple[tuple[str, str], ...], SeriesInput]:
     expr = rule.expr
     try:
         if isinstance(expr, NamedQueryExpr):
             query = queries.get_query(expr.query)
-            result = sql.run_read_query(
-                store, query.sql, query.bind(expr.params, now=to_timestamp(now)), row_limit=row_limit, timeout_seconds=timeout_seconds
-            )
+            text, params = query.sql, query.bind(expr.params, now=to_timestamp(now))
         else:
             assert expr is not None
-            result = sql.run_read_query(store, expr.sql, row_limit=row_limit, timeout_seconds=timeout_seconds)
+            text, params = expr.sql, None
+        # run_read_query calls on_done exactly once, when the query has really ended
+        done = running.claim(rule.alert)
+        result = sql.run_read_query(store, text, params, row_limit=row_limit, timeout_seconds=timeout_seconds, on_done=done)
     except (sql.SqlError, queries.QueryError) as exc:
         raise ExprError(f"rule {rule.alert}: its query failed: {exc.reason}") from None
     if "value" not in result.columns:

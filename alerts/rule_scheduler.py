@@ -6,7 +6,8 @@ the ingest lag (``CronTrigger(second=lag)``, UTC); ``max_instances=1`` and coale
 run is never doubled up. A run of a group:
 
 1. collects each rule's inputs (:func:`alerts.inputs.collect_inputs`); a rule whose query fails
-   (a bad expr value, a truncated result, a store error) is skipped this time with its state
+   (a bad expr value, a truncated result, a store error), or whose previous query still runs
+   (:class:`alerts.inputs.RunningQueries`), is skipped this time with its state
    unchanged (logged, counted in ``kvscope_alert_rule_failures_total``);
 2. evaluates the group (:func:`alerts.rule_eval.evaluate`) against its own alerts' state;
 3. in one transaction: writes the changed states to ``alert_state`` (deleting the dropped ones)
@@ -23,7 +24,10 @@ Then a thread (:meth:`RuleScheduler.resend`, at once, before any group can have 
 every restored firing alert to the Alertmanagers with a fresh lease, and those resolves, so an
 alert whose last lease was about to run out while the agent was down is not resolved by
 Alertmanager and then fired again (issue 19). A group's pushes are serialised, so that re-push
-never lands after a newer evaluation's. Evaluations due and not run (misfired, overrun,
+never lands after a newer evaluation's. The re-push has one deadline (80% of the longest group
+interval) and stops between groups when :meth:`RuleScheduler.shutdown` asks, which waits for it
+at most :data:`RESEND_JOIN_SECONDS`: an Alertmanager that never answers cannot hold the agent's
+stop (and the store's last checkpoint). Evaluations due and not run (misfired, overrun,
 coalesced) are counted by :class:`alerts.missed_evaluations.MissedEvaluations`.
 
 Exactly one scheduler per agent: :func:`agent.server.serve` starts it next to uvicorn (not in
@@ -33,10 +37,11 @@ file's write lock, so no second agent can run on the same state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC
 from pathlib import Path
 
@@ -48,10 +53,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.store import Store
 from alerts.alert_store import load_rule_state
-from alerts.inputs import ExprError, collect_inputs
+from alerts.alert_view import active_view, outgoing_of, resolve_of
+from alerts.inputs import ExprError, RunningQueries, collect_inputs
 from alerts.missed_evaluations import MissedEvaluations
 from alerts.notifier import Notifier, OutgoingAlert
-from alerts.routing import Alert
 from alerts.rule_eval import (
     AlertState,
     Labels,
@@ -62,7 +67,7 @@ from alerts.rule_eval import (
     evaluate,
     fingerprint,
 )
-from alerts.rulefile import HitRateBelow, Rule, RuleFile, RuleGroup, render_template
+from alerts.rulefile import HitRateBelow, Rule, RuleFile, RuleGroup
 from alerts.transitions import append_log, save
 
 log = logging.getLogger(__name__)
@@ -75,6 +80,10 @@ def job_id(group: RuleGroup) -> str:
 
 DEFAULT_INTERVAL_SECONDS = 60.0
 """A group without ``interval`` (and no override) runs every minute, at the boundary plus the lag."""
+RESEND_JOIN_SECONDS = 2.0
+"""How long :meth:`RuleScheduler.shutdown` waits for a start-up re-push still under way."""
+LOCK_POLL_SECONDS = 0.1
+"""How often a push waiting for its group's earlier push checks for a shutdown."""
 
 
 class RuleScheduler:
@@ -125,7 +134,7 @@ class RuleScheduler:
         self.timeout_seconds = timeout_seconds
         self.failures = Counter(
             "kvscope_alert_rule_failures_total",
-            "Rule evaluations skipped because the rule's query failed, by alert.",
+            "Rule evaluations skipped because the rule's query failed or its previous one still runs, by alert.",
             ("alert",),
             registry=registry,
         )
@@ -141,6 +150,8 @@ class RuleScheduler:
         self._rules_by_name: dict[str, Rule] = {rule.alert: rule for rule in rules.rules}
         self._lock = threading.Lock()
         self._push_locks = {group.name: threading.Lock() for group in rules.groups}
+        self._stopping = threading.Event()
+        self._running_queries = RunningQueries()
         self._state: dict[str, AlertState] = {}
         self._dropped: list[OutgoingAlert] = []
         self._scheduler: BackgroundScheduler | None = None
@@ -169,41 +180,65 @@ class RuleScheduler:
         append_log(self.log_path, notes)
         with self._lock:
             self._state = {fp: st for fp, st in loaded.items() if fp not in orphans}
-            self._dropped = [self._resolve_of(orphans[n.fingerprint], n.at) for n in notes if n.fingerprint in orphans]
+            self._dropped = [resolve_of(orphans[n.fingerprint], n.at) for n in notes if n.fingerprint in orphans]
         if self.notifier is not None:
             self.notifier.restore()
         self._set_gauge()
         return notes
 
-    def _resolve_of(self, st: AlertState, at: float) -> OutgoingAlert:
-        """The explicit resolve at ``at`` of a dropped alert, as its pushes labelled it."""
-        alert = Alert(fingerprint=st.fingerprint, labels={**dict(st.labels), "alertname": st.alert}, firing=False, value=st.value)
-        starts = next((t for t in (st.active_since, st.firing_since, st.evaluated_at) if t is not None), at)
-        return OutgoingAlert(alert=alert, name=st.alert, starts_at=starts, resolved_at=at)
-
     def resend(self, now: float | None = None) -> int:
-        """Push every group's alerts as restored (firing ones leased from ``now``, recent
-        resolves), each group within 80% of its interval, then the resolves of the alerts
-        :meth:`restore` dropped, to every Alertmanager; :meth:`start` runs it at once. Returns how
-        many pushes failed (logged and recorded as at every evaluation)."""
+        """Push every group's alerts as restored (firing ones leased from the time of the push,
+        read under the group's push lock; recent resolves), each group within 80% of its
+        interval, then the resolves of the alerts :meth:`restore` dropped, to every Alertmanager;
+        :meth:`start` runs it at once. All of it within one deadline, 80% of the longest interval
+        (groups and :data:`DEFAULT_INTERVAL_SECONDS`) from the start; it stops between groups at
+        that deadline or when :meth:`shutdown` asks, and logs what it did not re-push (the
+        groups' evaluations push it). ``now`` (unix seconds) fixes every push's time (tests).
+        Returns how many pushes failed (logged and recorded as at every evaluation)."""
         if self.notifier is None:
             return 0
-        now = self.clock() if now is None else now
-        failed = 0
+        deadline = time.monotonic() + 0.8 * max([DEFAULT_INTERVAL_SECONDS, *map(self.interval_of, self.rules.groups)])
+        failed, done = 0, set[str]()
         for group in self.rules.groups:
+            if self._stopping.is_set() or time.monotonic() >= deadline:
+                break
             names, interval = {rule.alert for rule in group.rules}, self.interval_of(group)
-            with self._push_locks[group.name]:
-                pushed = [o for o in (self.outgoing(st) for st in self.state.values() if st.alert in names) if o is not None]
-                failed += self._push(pushed, now, interval)
-            if pushed:
-                log.info("rule group %s: %d restored alert(s) re-pushed to the Alertmanagers", group.name, len(pushed))
+            group_deadline = min(time.monotonic() + 0.8 * interval, deadline)
+            with self._hold_push(group, group_deadline) as held:  # not held: its evaluation pushed
+                if held:
+                    pushed = [o for o in (self.outgoing(st) for st in self.state.values() if st.alert in names) if o is not None]
+                    failed += self._push(pushed, self.clock() if now is None else now, interval, group_deadline)
+                    done.add(group.name)
+                    if pushed:
+                        log.info("rule group %s: %d restored alert(s) re-pushed to the Alertmanagers", group.name, len(pushed))
         dropped, self._dropped = self._dropped, []
-        return failed + self._push(dropped, now, DEFAULT_INTERVAL_SECONDS)
+        if self._stopping.is_set() or time.monotonic() >= deadline:
+            log.warning(
+                "start-up re-push stopped (%s); not re-pushed: rule group(s) [%s] and %d resolve(s) of alerts whose rules are gone",
+                "the agent is stopping" if self._stopping.is_set() else "its deadline passed",
+                ", ".join(g.name for g in self.rules.groups if g.name not in done), len(dropped),
+            )  # fmt: skip
+            return failed
+        return failed + self._push(dropped, self.clock() if now is None else now, DEFAULT_INTERVAL_SECONDS, deadline)
 
-    def _push(self, alerts: list[OutgoingAlert], now: float, interval: float) -> int:
+    @contextlib.contextmanager
+    def _hold_push(self, group: RuleGroup, deadline: float) -> Iterator[bool]:
+        """Hold ``group``'s push lock, waiting for it until ``deadline`` (monotonic seconds) or a
+        shutdown; yields whether it is held."""
+        lock = self._push_locks[group.name]
+        held = lock.acquire(blocking=False)
+        while not held and not self._stopping.is_set() and time.monotonic() < deadline:
+            held = lock.acquire(timeout=min(LOCK_POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+        try:
+            yield held
+        finally:
+            if held:
+                lock.release()
+
+    def _push(self, alerts: list[OutgoingAlert], now: float, interval: float, deadline: float) -> int:
         assert self.notifier is not None
         try:
-            return self.notifier.push(alerts, now, interval_seconds=interval, deadline=time.monotonic() + 0.8 * interval)
+            return self.notifier.push(alerts, now, interval_seconds=interval, deadline=deadline)
         except Exception:  # the store failed while recording a failure: the evaluations push again
             log.exception("re-pushing the restored alerts failed")
             return 1
@@ -237,6 +272,7 @@ class RuleScheduler:
                         lag_seconds=self.lag_seconds,
                         row_limit=self.row_limit,
                         timeout_seconds=self.timeout_seconds,
+                        running=self._running_queries,
                     )
                 )
             except ExprError as exc:
@@ -277,10 +313,12 @@ class RuleScheduler:
         assert self.notifier is not None
         try:
             pushed = [o for o in (self.outgoing(st) for st in mine) if o is not None]
-            with self._push_locks[group.name]:
-                self.notifier.push(
-                    pushed, now, interval_seconds=interval, deadline=time.monotonic() + max(deadline - time.monotonic(), 0.0) / 2
-                )
+            push_deadline = time.monotonic() + max(deadline - time.monotonic(), 0.0) / 2
+            with self._hold_push(group, push_deadline) as held:
+                if held:
+                    self.notifier.push(pushed, now, interval_seconds=interval, deadline=push_deadline)
+                else:
+                    log.error("rule group %s: not pushed to the Alertmanagers this time: its previous push still runs or the agent stops", group.name)
             self.notifier.route(self._everything, now, deadline=deadline)
         except Exception:  # the store failed while logging: the next evaluation retries
             log.exception("notifying after rule group %s failed", group.name)
@@ -290,39 +328,17 @@ class RuleScheduler:
         return [o for o in (self.outgoing(st) for st in self.state.values()) if o is not None]
 
     def outgoing(self, st: AlertState) -> OutgoingAlert | None:
-        """``st`` as the notifier sees it (None while pending): labels with ``alertname`` added,
-        annotations rendered with the last value."""
-        if st.status not in (Status.FIRING, Status.RESOLVED):
-            return None
-        rule = self._rules_by_name.get(st.alert)
-        templates = rule.annotations if rule is not None else {}
-        labels = {**dict(st.labels), "alertname": st.alert}
-        annotations = {k: render_template(t, st.labels, st.value) for k, t in templates.items()}
-        alert = Alert(fingerprint=st.fingerprint, labels=labels, firing=st.status == Status.FIRING, annotations=annotations, value=st.value)
-        # as Prometheus: an alert starts when it became active (pending), kept while it fires
-        starts = next((t for t in (st.active_since, st.firing_since, st.evaluated_at) if t is not None), 0.0)
-        return OutgoingAlert(alert=alert, name=st.alert, starts_at=starts, resolved_at=st.resolved_at)
+        """``st`` as the notifier sees it (:func:`alerts.alert_view.outgoing_of`)."""
+        return outgoing_of(st, self._rules_by_name.get(st.alert))
 
     def active_alerts(self) -> list[dict[str, object]]:
         """The alerts pending or firing now, with their annotations rendered (``GET /v1/alerts``),
         firing first, then by name and labels."""
-        out: list[dict[str, object]] = []
-        for st in self.state.values():
-            if st.status not in (Status.PENDING, Status.FIRING):
-                continue
-            rule = self._rules_by_name.get(st.alert)
-            templates = rule.annotations if rule is not None else {}
-            out.append(
-                {
-                    "alertname": st.alert,
-                    "state": st.status.value,
-                    "labels": dict(st.labels),
-                    "annotations": {k: render_template(t, st.labels, st.value) for k, t in templates.items()},
-                    "value": st.value,
-                    "active_at": st.active_since,
-                    "firing_since": st.firing_since,
-                }
-            )
+        out = [
+            active_view(st, self._rules_by_name.get(st.alert))
+            for st in self.state.values()
+            if st.status in (Status.PENDING, Status.FIRING)
+        ]
         return sorted(out, key=lambda a: (a["state"] != "firing", a["alertname"], sorted(dict(a["labels"]).items())))  # type: ignore[call-overload]
 
     def _set_gauge(self) -> None:
@@ -347,6 +363,7 @@ class RuleScheduler:
         """
         if self._scheduler is not None:
             raise RuntimeError("the rule scheduler is already started")
+        self._stopping.clear()
         self.restore()
         scheduler = BackgroundScheduler(timezone=UTC)
         self.missed.listen(scheduler)
@@ -368,10 +385,15 @@ class RuleScheduler:
         self._scheduler = scheduler
 
     def shutdown(self) -> None:
-        """Stop, waiting for a running evaluation and the start-up re-push. Idempotent."""
+        """Stop, waiting for a running evaluation; the start-up re-push stops before its next
+        group and is waited for at most :data:`RESEND_JOIN_SECONDS` (a push to an Alertmanager
+        that does not answer goes on in its daemon thread until its deadline). Idempotent."""
         scheduler, self._scheduler = self._scheduler, None
         resender, self._resender = self._resender, None
+        self._stopping.set()
+        if resender is not None:
+            resender.join(RESEND_JOIN_SECONDS)
+            if resender.is_alive():
+                log.warning("stopping without waiting for the start-up re-push: an Alertmanager has not answered it")
         if scheduler is not None:
             scheduler.shutdown(wait=True)
-        if resender is not None:
-            resender.join()

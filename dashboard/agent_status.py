@@ -24,7 +24,7 @@ from typing import Any
 import streamlit as st
 
 from dashboard.client import AgentClient, AgentError
-from dashboard.common import REFRESH_SECONDS
+from dashboard.common import REFRESH_SECONDS, remember_limits
 
 ANSWERED_KEY = "kvscope_agent_answered_at"
 """Session state: agent URL → unix seconds of that agent's last answer in this session."""
@@ -57,7 +57,8 @@ class AgentStatus:
 
 def check_agent(client: AgentClient, *, now: float | None = None) -> AgentStatus:
     """Ask the agent's ``/readyz`` (timeout :data:`PROBE_TIMEOUT_SECONDS`) and note the answer's
-    time in the session. Never raises for an unreachable agent."""
+    time in the session, and the query timeout its limits imply
+    (:func:`dashboard.common.remember_limits`). Never raises for an unreachable agent."""
     answered: dict[str, float] = st.session_state.setdefault(ANSWERED_KEY, {})
     probe = dataclasses.replace(client, timeout_seconds=min(client.timeout_seconds, PROBE_TIMEOUT_SECONDS))
     try:
@@ -65,6 +66,7 @@ def check_agent(client: AgentClient, *, now: float | None = None) -> AgentStatus
     except AgentError as exc:
         return AgentStatus(readiness=None, answered_at=answered.get(client.base_url), error=str(exc))
     answered[client.base_url] = time.time() if now is None else now
+    remember_limits(client, body)
     return AgentStatus(readiness=body, answered_at=answered[client.base_url])
 
 

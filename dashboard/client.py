@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from agent.client import TOKEN_ENV, AgentClient, AgentError, default_agent_url
+from agent.client import TOKEN_ENV, AgentClient, AgentError, default_agent_url, query_timeout_for
 
-__all__ = ["AgentClient", "AgentError", "client_from", "query_frame", "resolve_agent_url"]
+__all__ = ["AgentClient", "AgentError", "client_from", "query_frame", "query_timeout_for", "resolve_agent_url"]
 
 
 def resolve_agent_url(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str:

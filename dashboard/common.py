@@ -1,6 +1,11 @@
 """What every dashboard page shares: the agent client, cached named queries, and the filters
 (time range, engine, model, form) in the sidebar.
 
+The client's query timeout follows the agent's own limits, which its ``/readyz`` publishes
+(:func:`agent.client.query_timeout_for`): read once per agent and session by
+:func:`current_client`, and again by every ``/readyz`` call of :mod:`dashboard.agent_status`
+(:func:`remember_limits`), so an agent allowing an hour per query is waited for an hour.
+
 The filters live in the URL's query string (``?window=1+hour&engine=e1``), so a view can be
 shared, and in the session, so they carry across pages and the links between them; an engine or
 model named in a shared URL that the agent has not seen in the window stays selectable.
@@ -8,18 +13,26 @@ model named in a shared URL that the agent has not seen in the window stays sele
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import altair as alt
 import pandas as pd
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from dashboard.client import AgentClient, AgentError, client_from, query_frame
+from dashboard.client import AgentClient, AgentError, client_from, query_frame, query_timeout_for
 
 CLIENT_KEY = "kvscope_agent_client"
+QUERY_TIMEOUT_KEY = "kvscope_agent_query_timeout"
+"""Session state: agent URL → the query timeout (seconds) derived from that agent's ``/readyz``
+limits, or ``None`` when it was asked and named none (the client's default stays)."""
+LIMITS_PROBE_TIMEOUT_SECONDS = 2.0
+"""The timeout of :func:`current_client`'s one ``/readyz`` call, seconds."""
 PAGE_MARK = "page"
 """Where the session's last filters note the page they were rendered on."""
 LAST_FILTERS_KEY = "kvscope_last_filters"
@@ -68,19 +81,42 @@ class Filters:
 
 
 def current_client() -> AgentClient:
-    """The client the entry script stored in the session (or one from argv/env)."""
+    """The client the entry script stored in the session (or one from argv/env), its query
+    timeout derived from the agent's published limits: on the session's first use of an agent
+    its ``/readyz`` is read once (timeout :data:`LIMITS_PROBE_TIMEOUT_SECONDS`; no answer or no
+    limits: the client's default stays, until a later ``/readyz`` names them)."""
     client = st.session_state.get(CLIENT_KEY)
     if not isinstance(client, AgentClient):
         client = client_from(sys.argv[1:], os.environ)
         st.session_state[CLIENT_KEY] = client
-    return client
+    learned: dict[str, float | None] = st.session_state.setdefault(QUERY_TIMEOUT_KEY, {})
+    if client.base_url not in learned:
+        probe = dataclasses.replace(client, timeout_seconds=min(client.timeout_seconds, LIMITS_PROBE_TIMEOUT_SECONDS))
+        try:
+            remember_limits(client, probe.readyz())
+        except AgentError:
+            learned[client.base_url] = None
+    timeout = learned.get(client.base_url)
+    return client if timeout is None else dataclasses.replace(client, query_timeout_seconds=timeout)
+
+
+def remember_limits(client: AgentClient, readiness: Mapping[str, Any]) -> None:
+    """Note the query timeout that ``readiness`` (a ``/readyz`` body of ``client``'s agent)
+    implies (:func:`agent.client.query_timeout_for`), for :func:`current_client`; a body
+    without limits leaves a noted one as it is."""
+    learned: dict[str, float | None] = st.session_state.setdefault(QUERY_TIMEOUT_KEY, {})
+    derived = query_timeout_for(readiness)
+    if derived is not None:
+        learned[client.base_url] = derived
+    else:
+        learned.setdefault(client.base_url, None)
 
 
 @st.cache_data(ttl=CACHE_TTL_SECONDS, show_spinner=False)
-def cached_query(base_url: str, token: str | None, name: str, params: tuple[tuple[str, object], ...]) -> pd.DataFrame:
+def cached_query(base_url: str, token: str | None, query_timeout_seconds: float, name: str, params: tuple[tuple[str, object], ...]) -> pd.DataFrame:
     """A named query's rows, cached per (agent, query, parameters) for a few seconds. Errors are
     not cached."""
-    return query_frame(AgentClient(base_url=base_url, token=token), name, **dict(params))
+    return query_frame(AgentClient(base_url=base_url, token=token, query_timeout_seconds=query_timeout_seconds), name, **dict(params))
 
 
 def query(client: AgentClient, name: str, **params: object) -> pd.DataFrame:
@@ -89,7 +125,7 @@ def query(client: AgentClient, name: str, **params: object) -> pd.DataFrame:
     Raises:
         AgentError: the agent is unreachable or refused the query.
     """
-    return cached_query(client.base_url, client.token, name, tuple(sorted((k, v) for k, v in params.items() if v is not None)))
+    return cached_query(client.base_url, client.token, client.query_timeout_seconds, name, tuple(sorted((k, v) for k, v in params.items() if v is not None)))
 
 
 def sidebar_filters(client: AgentClient) -> Filters:

@@ -5,8 +5,9 @@ pattern of Vector's disk buffers and the OpenTelemetry Collector's file storage,
 
 Three positions over the records, oldest first:
 
-* the **durable offset** (saved): every record before it is durable at the agent (its seq is at
-  or below the agent's durable watermark, :mod:`agent.durability`), or was refused for good;
+* the **durable offset** (saved): every record before it is durable at the agent (a checkpoint
+  followed its acknowledgement: the agent's checkpoint epoch, :mod:`agent.durability`, moved past
+  the one it was acknowledged at), or was refused for good;
 * the **send offset** (in memory): records between the two were acknowledged as committed but
   are not durable yet; they are kept, and :meth:`Spool.rewind` makes them unsent again (the
   agent restarted and may have lost its WAL);
@@ -27,8 +28,11 @@ cut short by a crash, or one whose CRC fails, ends the readable part: the rest o
 dropped and counted (:attr:`Spool.corrupt_records`), loudly.
 
 When the disk budget is reached, records acknowledged but not durable yet are released first
-(oldest first, counted in :attr:`Spool.released_records`, logged): they are committed at the agent
-and lost only if its WAL is damaged too; only then is a new batch refused.
+(oldest first, down to three quarters of the budget so one compaction serves many appends;
+counted in :attr:`Spool.released_records`, logged): they are committed at the agent and lost only
+if its WAL is damaged too. A new batch is refused — releasing nothing — when the unsent backlog
+alone leaves no room. A compaction writes the part after the durable offset to a new file before
+the old one is removed: for that moment the spool holds up to twice what it keeps.
 """
 
 from __future__ import annotations
@@ -90,7 +94,8 @@ class Spool:
         self._send_offset = self._offset
         self._resend_end = self._offset
         self._awaiting: deque[list[int]] = deque()
-        """[end offset, seq (-1: durable already)] per record in [durable offset, send offset)."""
+        """[end offset, checkpoint epoch at acknowledgement (-1: durable already)] per record in
+        [durable offset, send offset), in file order (epochs never decrease along it)."""
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -123,12 +128,7 @@ class Spool:
         budget, acknowledged records not durable yet are released (oldest first) and the spool
         compacted to make room; returns False, writing nothing, when that is not enough."""
         record_size = _HEADER.size + len(payload)
-        while self._size + record_size > self.max_bytes and self._awaiting:
-            self._awaiting[0][1] = -1
-            self.released_records += 1
-            self._advance()
-            self._compact(force=True)
-        if self._size + record_size > self.max_bytes:
+        if self._size + record_size > self.max_bytes and not self._make_room(record_size):
             return False
         crc = zlib.crc32(payload, zlib.crc32(struct.pack("<I", events)))
         self._file.seek(0, os.SEEK_END)
@@ -171,10 +171,10 @@ class Spool:
         """
         self.sent(None)
 
-    def sent(self, seq: int | None) -> None:
-        """The oldest unsent record was acknowledged: as batch ``seq``, kept until
-        :meth:`release` passes it; ``None``: durable already (an agent without watermarks, or a
-        refused batch) — dropped once every record before it is durable.
+    def sent(self, epoch: int | None) -> None:
+        """The oldest unsent record was acknowledged at checkpoint ``epoch``: kept until
+        :meth:`release` is given a higher epoch; ``None``: durable already (an agent without
+        watermarks, or a refused batch) — dropped once every record before it is durable.
 
         Raises:
             RuntimeError: nothing is unsent (a caller bug).
@@ -184,15 +184,15 @@ class Spool:
         self._file.seek(self._send_offset)
         (length, _, _) = _HEADER.unpack(self._file.read(_HEADER.size))
         self._send_offset += _HEADER.size + length
-        self._awaiting.append([self._send_offset, -1 if seq is None else seq])
+        self._awaiting.append([self._send_offset, -1 if epoch is None else epoch])
         self._advance()
 
-    def release(self, durable_seq: int | None) -> None:
-        """The agent's durable watermark: acknowledged records with a seq up to it are dropped
-        (oldest first, up to the first that is not durable)."""
-        if durable_seq is not None:
+    def release(self, epoch: int | None) -> None:
+        """The agent's checkpoint epoch now (same agent process): records acknowledged at a
+        lower epoch are durable and dropped (oldest first)."""
+        if epoch is not None:
             for entry in self._awaiting:
-                if entry[1] > durable_seq:
+                if entry[1] >= epoch:
                     break
                 entry[1] = -1
         self._advance()
@@ -224,6 +224,26 @@ class Spool:
         os.close(self._seq_fd)
 
     # -- internals ---------------------------------------------------------------------------------
+    def _make_room(self, record_size: int) -> bool:
+        """Give up acknowledged, not yet durable records (oldest first) so that ``record_size``
+        more bytes fit — and a quarter of the budget besides, so that one compaction serves
+        many appends; False, giving up nothing, when even releasing all of them is not enough."""
+        unsent = self._size - self._send_offset
+        if unsent + record_size > self.max_bytes:
+            return False
+        goal = max(self.max_bytes - record_size - self.max_bytes // 4, unsent)
+        start = self._offset
+        for entry in self._awaiting:
+            if self._size - start <= goal:
+                break
+            if entry[1] >= 0:
+                entry[1] = -1
+                self.released_records += 1
+            start = entry[0]
+        self._advance()
+        self._compact(force=True)
+        return self._size + record_size <= self.max_bytes
+
     def _advance(self) -> None:
         """Move the durable offset over the durable records at the front; save it; compact."""
         moved = False

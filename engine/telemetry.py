@@ -36,6 +36,7 @@ from typing import Literal
 
 import httpx
 
+from engine.agent_http import epoch_of, post_batch
 from engine.events import SCHEMA_VERSION, Event, EventBatch, encode_batch
 from engine.sinks import EventSink, ListSink, NullSink
 from engine.spool import Spool
@@ -165,7 +166,10 @@ class TelemetryClient:
         while self.spool and self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.02)
         self._stop.set()
-        self._thread.join(timeout_seconds)
+        self._thread.join(None if deadline is None else max(deadline - time.monotonic(), 1.0))
+        if self._thread.is_alive():
+            log.warning("telemetry sender still busy at close; what it holds stays in the spool for the next run")
+            return
         self._http.close()
 
     @property
@@ -182,7 +186,12 @@ class TelemetryClient:
 
     def _run(self) -> None:
         while not (self._stop.is_set() and self._queue.empty()):
-            self._replay()
+            try:
+                self._replay()
+            except Exception:  # never let the sender die: back off and go on
+                log.exception("telemetry sender: re-sending from the spool failed; retrying")
+                self._retry_at = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, 2.0)
             try:
                 first = self._queue.get(timeout=0.05 if self.spool else 0.1)
             except queue.Empty:
@@ -199,11 +208,16 @@ class TelemetryClient:
                     break
             try:
                 self._deliver(events)
+            except Exception:  # the batch is in the spool (or counted dropped): go on
+                log.exception("telemetry sender: delivering a batch failed")
             finally:
                 self._settle(len(events))
         if self.spool is not None:
-            if self.spool.awaiting_records and time.monotonic() >= self._retry_at:
-                self._watermark(checkpoint=True)  # make what the agent holds durable, then release it
+            try:
+                if self.spool.awaiting_records and time.monotonic() >= self._retry_at:
+                    self._watermark(checkpoint=True)  # make what the agent holds durable, then release it
+            except Exception:
+                log.exception("telemetry sender: the last checkpoint request failed; the spool keeps its batches")
             self.spool.close()
 
     def _deliver(self, events: list[Event]) -> None:
@@ -230,8 +244,10 @@ class TelemetryClient:
         if deferred:
             self.spooled_events += len(events)
             return
-        if self._send_next(SPOOL_RETRIES, fresh=True) == "unreachable":
+        first = self._send_next(SPOOL_RETRIES, fresh=True)
+        if first in ("unreachable", "rewound"):  # it waits in the spool: sent (again) from there
             self.spooled_events += len(events)
+        if first == "unreachable":
             self._retry_at = time.monotonic() + self._backoff
 
     def _to_spool(self, body: bytes, events: int) -> bool:
@@ -256,9 +272,11 @@ class TelemetryClient:
         )
         return False
 
-    def _send_next(self, attempts: int, *, fresh: bool) -> Literal["sent", "rejected", "unreachable", "empty"]:
-        """POST the oldest unsent spool record; on an answer, file it in the spool (kept until
-        the agent's durable watermark passes it)."""
+    def _send_next(self, attempts: int, *, fresh: bool) -> Literal["sent", "rejected", "unreachable", "rewound", "empty"]:
+        """POST the oldest unsent spool record; on an answer, file it in the spool (kept until a
+        later checkpoint epoch of the same agent process shows it durable). ``rewound``: the
+        answer came from a new agent process, and every record not yet durable — this one too —
+        is unsent again."""
         assert self.spool is not None
         record = self.spool.peek()
         if record is None:
@@ -273,31 +291,33 @@ class TelemetryClient:
             self.spool.sent(None)  # refused for good: nothing to wait for
             return outcome
         if not self._on_agent(answer):
-            return outcome  # a new agent process: the spool was rewound, this record too
-        seq = answer.get("seq")
-        self.spool.sent(int(seq) if isinstance(seq, int) and "agent_instance" in answer else None)
-        self.spool.release(_durable(answer))
+            return "rewound"
+        epoch = epoch_of(answer)
+        self.spool.sent(epoch)
+        self.spool.release(epoch)
+        if resending:  # acknowledged before, counted in sent_events then
+            self.resent_events += events
+            return outcome
         self.sent_events += events
         self.sent_batches += 1
-        if resending:
-            self.resent_events += events
-        elif not fresh:
+        if not fresh:
             self.replayed_events += events
         return outcome
 
     def _on_agent(self, answer: dict[str, object]) -> bool:
-        """Note the agent process an answer came from; False when it is a new one (it restarted:
-        every batch it had acknowledged but not made durable is made unsent, to be re-sent)."""
+        """Note the agent process an answer came from; False when it is another one than before
+        (it restarted, or was replaced by an agent without watermarks): every batch acknowledged
+        but not yet durable is made unsent, to be re-sent — nothing is released on the new
+        process's word until it acknowledged the batch itself."""
         instance = answer.get("agent_instance")
-        if not isinstance(instance, str):
-            return True  # an agent without watermarks: acknowledged means durable
+        if not isinstance(instance, str) or epoch_of(answer) is None:
+            instance = None  # an agent without watermarks: acknowledged means durable
         known, self._agent_instance = self._agent_instance, instance
         self._instance_checked = True
         self._next_poll = time.monotonic() + self.watermark_poll_seconds
         if known is None or known == instance:
             return True
         assert self.spool is not None
-        self.spool.release(_durable(answer))
         if self.spool.awaiting_records:
             log.warning(
                 "the agent restarted: re-sending the %d batches it acknowledged but had not made durable",
@@ -307,8 +327,9 @@ class TelemetryClient:
         return False
 
     def _watermark(self, *, checkpoint: bool = False) -> None:
-        """Ask the agent for this engine's durable watermark (``checkpoint``: after making
-        everything it holds durable) and release what it covers."""
+        """Ask the agent for its checkpoint epoch (``checkpoint``: after a checkpoint) and
+        release what it shows durable. An answer that is not the agent's (a proxy's page, a
+        5xx, a 401) is retried later with backoff, and said."""
         assert self.spool is not None
         url = self.url.rsplit("/", 1)[0] + ("/ingest/checkpoint" if checkpoint else "/ingest/watermark")
         try:
@@ -319,14 +340,20 @@ class TelemetryClient:
             return
         self._next_poll = time.monotonic() + self.watermark_poll_seconds
         if resp.status_code == 404:  # an agent without watermarks: acknowledged means durable
-            self.spool.release(sys.maxsize)
-            self._instance_checked = True
+            if self._on_agent({}):
+                self.spool.release(sys.maxsize)
             return
-        if resp.status_code != 200:
+        try:
+            answer = resp.json() if resp.status_code == 200 else None
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or epoch_of(answer) is None or not isinstance(answer.get("agent_instance"), str):
+            log.warning("telemetry watermark %s answered HTTP %d without a checkpoint epoch; asking again later", url, resp.status_code)
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, 2.0)
             return
-        answer = resp.json()
         if self._on_agent(answer):
-            self.spool.release(_durable(answer))
+            self.spool.release(epoch_of(answer))
 
     def _replay(self) -> None:
         """Send unsent spool records, oldest first, while the agent takes them (at most ~50 ms per
@@ -352,35 +379,11 @@ class TelemetryClient:
     def _post(
         self, body: bytes, seq: int | None, events: int, attempts: int
     ) -> tuple[Literal["sent", "rejected", "unreachable"], dict[str, object] | None]:
-        """POST one encoded batch: ``sent`` (stored or a duplicate; with the agent's answer),
-        ``rejected`` (4xx: counted, logged, never retried) or ``unreachable`` (connection errors
-        / 5xx after ``attempts``)."""
-        delay = 0.1
-        for attempt in range(1, attempts + 1):
-            try:
-                resp = self._http.post(self.url, content=body)
-            except httpx.HTTPError as exc:
-                reason = f"{type(exc).__name__}: {exc}"
-            else:
-                if resp.status_code < 300:
-                    try:
-                        answer = resp.json()
-                    except ValueError:
-                        answer = None
-                    return "sent", answer if isinstance(answer, dict) else None
-                if resp.status_code < 500:
-                    self.rejected_batches += 1
-                    self.rejected_events += events
-                    log.error("agent rejected batch seq=%s (%d events): %s", seq, events, resp.text[:500])
-                    return "rejected", None
-                reason = f"HTTP {resp.status_code}"
-            if attempt < attempts and not self._stop.is_set():
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            log.warning("telemetry batch seq=%s attempt %d failed: %s", seq, attempt, reason)
-        return "unreachable", None
-
-
-def _durable(answer: dict[str, object]) -> int | None:
-    seq = answer.get("durable_seq")
-    return seq if isinstance(seq, int) else None
+        """POST one encoded batch (:func:`engine.agent_http.post_batch`); a refusal is counted and
+        logged with the agent's reason."""
+        outcome, answer, refusal = post_batch(self._http, self.url, body, seq, attempts, self._stop)
+        if outcome == "rejected":
+            self.rejected_batches += 1
+            self.rejected_events += events
+            log.error("agent rejected batch seq=%s (%d events): %s", seq, events, refusal)
+        return outcome, answer

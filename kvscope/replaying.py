@@ -100,6 +100,26 @@ class PoolSqueeze:
             raise ValueError(f"{text!r}: {exc}") from None
 
 
+def drain_earlier_spools(spool_dir: Path, agent_url: str, *, current_engine_id: str, timeout_seconds: float = 30.0) -> int:
+    """Send what the spools earlier runs left in ``spool_dir`` still hold — batches never sent,
+    or acknowledged but not yet durable when the run ended — each under its own engine id (the
+    file's stem), and remove the files of every spool left empty. Returns the events sent.
+    ``current_engine_id``'s spool is the running engine's own and is left alone."""
+    sent = 0
+    for path in sorted(spool_dir.glob("*.spool")) if spool_dir.is_dir() else []:
+        engine_id = path.stem
+        if engine_id == current_engine_id:
+            continue
+        if path.stat().st_size:
+            client = TelemetryClient(agent_url, engine_id, spool_path=path)
+            client.close(timeout_seconds)
+            sent += client.replayed_events + client.resent_events
+        if path.stat().st_size == 0:
+            for leftover in (path, path.with_name(path.name + ".offset"), path.with_name(path.name + ".seq")):
+                leftover.unlink(missing_ok=True)
+    return sent
+
+
 def run_replay(
     *,
     model: str | HybridConfig,

@@ -25,6 +25,7 @@ from types import FrameType
 import duckdb
 from rich.console import Console
 
+from agent.client import AgentClient, AgentError
 from agent.store import lock_holder
 from alerts.notify_config import DEFAULT_NOTIFY_PATH, load_notify_config
 from alerts.rulefile import DEFAULT_RULES_PATH, load_rule_file
@@ -34,7 +35,13 @@ from engine.presets import check_model_ref
 from engine.trace.formats import TraceError, load_trace
 from engine.trace.replay import ReplayConfig
 from kvscope.data import bundled_trace
-from kvscope.replaying import PoolSqueeze, new_engine_id, run_replay, stored_summary
+from kvscope.replaying import (
+    PoolSqueeze,
+    drain_earlier_spools,
+    new_engine_id,
+    run_replay,
+    stored_summary,
+)
 from kvscope.services import ServiceError, ServiceGroup, port_is_free
 
 log = logging.getLogger(__name__)
@@ -106,6 +113,11 @@ def run_up(opts: UpOptions) -> int:
         agent = services.start("agent", agent_cmd, opts.data_dir / "agent.log")
         services.wait_http_ok(agent, agent_url + "/readyz", timeout_seconds=60)
         err.print(f"agent      {agent_url}  (DuckDB {opts.data_dir / 'kvscope.duckdb'}, metrics {agent_url}/metrics)")
+        _warn_if_degraded(err, agent_url)
+        engine_id = new_engine_id()
+        resent = drain_earlier_spools(opts.data_dir / "spool", agent_url, current_engine_id=engine_id)
+        if resent:
+            err.print(f"telemetry: sent {resent} events that spools of earlier runs still held")
         if opts.dashboard:
             from dashboard.launch import streamlit_command
 
@@ -122,7 +134,7 @@ def run_up(opts: UpOptions) -> int:
             config=opts.replay,
             requests=requests,
             agent_url=agent_url,
-            engine_id=new_engine_id(),
+            engine_id=engine_id,
             console=err,
             stop=stop,
             spool_dir=opts.data_dir / "spool",
@@ -151,6 +163,17 @@ def run_up(opts: UpOptions) -> int:
         return 1
     finally:
         services.stop_all()
+
+
+def _warn_if_degraded(err: Console, agent_url: str) -> None:
+    """Print the agent's degraded conditions (a quarantined WAL, acknowledged batches missing),
+    if any: it serves, but an operator must look."""
+    try:
+        ready = AgentClient(base_url=agent_url, timeout_seconds=5).readyz()
+    except AgentError:
+        return
+    for item in ready.get("degraded", []):
+        err.print(f"[yellow]agent DEGRADED ({item.get('reason')}): {item.get('detail')}[/]")
 
 
 def database_holder(db: Path) -> str | None:

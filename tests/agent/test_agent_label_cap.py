@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from agent_testdata import batch, lookup_event, request_event
+from agent_testdata import batch, known_events, lookup_event, request_event
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
@@ -238,3 +238,113 @@ def test_config_key_metric_label_max_values(config: AgentConfig, store: Store) -
     )
     with TestClient(app):  # its lifespan stops the ingest thread it started
         assert app.state.metrics.label_cap.max_values == 3
+
+
+class FakeClock:
+    """Monotonic seconds the test sets."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_label_cap_evicts_the_longest_idle_value_only_when_full() -> None:
+    clock, evicted = FakeClock(), []
+    cap = LabelCap(
+        ("engine", "model"), 2, CollectorRegistry(), idle_seconds=10.0, clock=clock,
+        on_evict=lambda name, value: evicted.append((name, value)),
+    )  # fmt: skip
+    assert cap.fold("engine", "a") == "a"
+    clock.now = 5.0
+    assert cap.fold("engine", "b") == "b"
+    clock.now = 9.0
+    assert cap.fold("engine", "c") == FOLDED_VALUE  # full, and a is idle 9 s only
+    clock.now = 12.0
+    assert cap.fold("engine", "c") == "c"  # a idle 12 s: evicted; b (7 s) stays
+    assert evicted == [("engine", "a")] and cap.kept("engine") == {"b", "c"}
+    clock.now = 30.0
+    assert cap.fold("engine", "b") == "b"  # seen again: b is now the most recent
+    assert cap.fold("engine", "a") == "a"  # back, as a new value: takes c's slot (idle 18 s)
+    assert evicted == [("engine", "a"), ("engine", "c")] and cap.kept("engine") == {"a", "b"}
+    assert cap.evicted_values.labels(label="engine")._value.get() == 2.0
+    assert cap.evicted_values.labels(label="model")._value.get() == 0.0
+    # below the cap nothing is evicted, however long the idle
+    assert cap.fold("model", "m1") == "m1"
+    clock.now = 1e6
+    assert cap.fold("model", "m2") == "m2" and cap.kept("model") == {"m1", "m2"}
+    assert len(evicted) == 2
+
+    never = LabelCap(("engine",), 1, CollectorRegistry(), idle_seconds=None, clock=clock)
+    never.fold("engine", "a")
+    clock.now = 1e9
+    assert never.fold("engine", "b") == FOLDED_VALUE and never.kept("engine") == {"a"}
+    with pytest.raises(ValueError, match="idle_seconds must be > 0 or None, got 0"):
+        LabelCap(("engine",), 1, CollectorRegistry(), idle_seconds=0)
+
+
+def engines_by_metric(samples: Samples) -> dict[str, set[str]]:
+    """Sample name → the engine label values it carries."""
+    out: dict[str, set[str]] = {}
+    for (name, labels), _ in samples.items():
+        engine = dict(labels).get("engine")
+        if engine is not None:
+            out.setdefault(name, set()).add(engine)
+    return out
+
+
+def test_idle_engines_are_evicted_with_every_series_and_new_ones_take_their_slot(
+    config: AgentConfig, store: Store, base: int
+) -> None:
+    # engine ids are new at every engine run (host-pid-start): a full cap must not blind the
+    # metrics to every later engine
+    clock = FakeClock()
+    metrics = AgentMetrics(label_max_values=2, label_idle_seconds=60.0, clock=clock)
+    seqs: dict[str, int] = {}
+
+    def post(engine: str, at: float) -> None:
+        clock.now = at
+        events = [{**e, "engine_id": engine} for e in known_events(base)]
+        seqs[engine] = seqs.get(engine, -1) + 1
+        body = msgspec.msgpack.encode(batch(seqs[engine], events, engine_id=engine))
+        response = client.post("/v1/events", content=body, headers=MSGPACK)
+        assert response.status_code == 200, response.text
+
+    with TestClient(create_app(config, store, metrics=metrics, environ={})) as client:
+        post("e1", 0.0)
+        post("e2", 10.0)
+        metrics.set_recoverable_hit_ratios({("e1", "m1"): (1.0, 2.0), ("e2", "m1"): (1.0, 4.0)})
+        post("e3", 30.0)  # full; the idlest (e1) unseen for 20 s only: e3 folds
+        before = parse(client.get("/metrics").text)
+        post("e4", 75.0)  # e1 unseen for 65 s: evicted; e2 (as idle) stays, one slot is enough
+        after = parse(client.get("/metrics").text)
+        kept_after = metrics.label_cap.kept("engine")
+        post("e1", 80.0)  # back: a new value, taking the slot of e2 (idle 70 s)
+        again = parse(client.get("/metrics").text)
+
+    engines = engines_by_metric(before)
+    capped = {name for name in engines if not name.startswith("kvscope_recoverable_hit_ratio")}
+    assert {"kvscope_recovery_seconds_count", "kvscope_request_ttft_seconds_count",
+            "kvscope_invalidations_total", "kvscope_cache_lookups_total"} <= capped  # fmt: skip
+    assert all(engines[name] == {"e1", "e2", FOLDED_VALUE} for name in capped), engines
+    assert engines["kvscope_recoverable_hit_ratio"] == {"e1", "e2"}
+    engines = engines_by_metric(after)
+    assert all(engines[name] == {"e2", "e4", FOLDED_VALUE} for name in capped), engines
+    assert engines["kvscope_recoverable_hit_ratio"] == {"e2"}  # the ratio series of e1 removed too
+    assert kept_after == {"e2", "e4"}
+    evicted = "kvscope_metric_label_values_evicted_total"
+    assert after[(evicted, (("label", "engine"),))] == 1.0
+    assert after[(evicted, (("label", "model"),))] == 0.0
+    assert after[("kvscope_requests_total", (("engine", "e4"), ("model", "m1")))] == 2.0
+    assert again[("kvscope_requests_total", (("engine", "e1"), ("model", "m1")))] == 2.0  # anew
+    assert engines_by_metric(again)["kvscope_requests_total"] == {"e1", "e4", FOLDED_VALUE}
+    assert again[(evicted, (("label", "engine"),))] == 2.0
+
+
+def test_config_key_metric_label_idle_seconds() -> None:
+    assert AgentConfig().metric_label_idle_seconds == 3600.0
+    assert config_from_mapping({"metric_label_idle_seconds": None}).metric_label_idle_seconds is None
+    assert config_from_mapping({"metric_label_idle_seconds": 60}).metric_label_idle_seconds == 60
+    with pytest.raises(ConfigError, match="metric_label_idle_seconds must be > 0 or null, got 0"):
+        config_from_mapping({"metric_label_idle_seconds": 0})

@@ -80,6 +80,8 @@ def test_metrics_after_known_batch_duplicate_and_rejected(client: TestClient, ba
         # one engine and one model: nothing folded
         ("kvscope_metric_label_values_folded_total", lbl(label="engine")): 0.0,
         ("kvscope_metric_label_values_folded_total", lbl(label="model")): 0.0,
+        ("kvscope_metric_label_values_evicted_total", lbl(label="engine")): 0.0,
+        ("kvscope_metric_label_values_evicted_total", lbl(label="model")): 0.0,
     }  # fmt: skip
     host = lbl(**EM, form="full_kv", tier="host")
     replayed = lbl(**EM, form="linear_state", tier="device")

@@ -21,7 +21,12 @@ JSON = {"content-type": "application/json"}
 
 def test_healthz_and_readyz(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/readyz").json() == {"status": "ready", "schema_version": SCHEMA_VERSION, "degraded": []}
+    assert client.get("/readyz").json() == {
+        "status": "ready",
+        "schema_version": SCHEMA_VERSION,
+        "degraded": [],
+        "limits": {"sql_timeout_seconds": 0.5, "sql_queue_timeout_seconds": 2.0},  # the agent's query limits
+    }
 
 
 def test_app_owning_its_store_is_ready_only_inside_its_lifespan(config: AgentConfig) -> None:

@@ -21,6 +21,7 @@ from agent.store import Store
 from agent.wal_guard import wal_path
 from engine.events import EngineStats, Form, Tier
 from engine.telemetry import TelemetryClient
+from kvscope.replaying import drain_earlier_spools
 from tests.agent_process import start_agent
 from tests.helpers import free_port
 
@@ -127,6 +128,15 @@ def test_damaged_wals_and_a_kill_during_a_checkpoint_lose_and_duplicate_nothing(
         send_round()
         for client in clients.values():
             client.close(timeout_seconds=30)  # asks the agent to checkpoint, then releases
+        # a run that ended while its agent was away left its spool: the next `kvscope up` sends it
+        orphans = tmp_path / "spool"
+        orphan = TelemetryClient(f"http://127.0.0.1:{free_port()}", "e-orphan", spool_path=orphans / "e-orphan.spool", timeout_seconds=0.2)
+        for i in range(120):
+            orphan.emit(stats("e-orphan", i))
+        orphan.close(timeout_seconds=1)
+        assert orphan.spooled_events == 120 and (orphans / "e-orphan.spool").stat().st_size > 0
+        assert drain_earlier_spools(orphans, url, current_engine_id="e-this-run") == 120
+        assert list(orphans.iterdir()) == []  # drained, durable, removed
     finally:
         agent.send_signal(signal.SIGTERM)
         try:
@@ -135,7 +145,7 @@ def test_damaged_wals_and_a_kill_during_a_checkpoint_lose_and_duplicate_nothing(
             agent.kill()
             agent.wait()
     # the damages that lose batches were noticed and said so
-    for name in ("flip a random byte", "header overwritten", "truncated by 37 bytes"):
+    for name in ("flip a random byte", "flip another random byte", "header overwritten", "truncated by 37 bytes"):
         assert seen[name][0] == "degraded" and "acknowledged_batches_missing" in seen[name][1], (name, seen[name])
     assert seen["garbage appended"] == ("ready", []), details["garbage appended"]
     for engine, client in clients.items():
@@ -146,6 +156,8 @@ def test_damaged_wals_and_a_kill_during_a_checkpoint_lose_and_duplicate_nothing(
         for engine in ENGINES:
             ids = [r[0] for r in cur.execute("SELECT used_bytes FROM engine_stats WHERE engine_id = $e ORDER BY 1", {"e": engine}).fetchall()]
             assert ids == list(range(sent[engine])), engine  # every event sent, exactly once
+        orphan_ids = [r[0] for r in cur.execute("SELECT used_bytes FROM engine_stats WHERE engine_id = 'e-orphan' ORDER BY 1").fetchall()]
+        assert orphan_ids == list(range(120))
 
 
 def _ask_checkpoint(url: str) -> None:

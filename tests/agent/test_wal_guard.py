@@ -5,6 +5,7 @@ DuckDB itself replays short without an error."""
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from agent import wal_guard
 from agent.durability import AckLog, ack_log_path
 from agent.health import Health
 from agent.ingest import SeqTracker
@@ -147,3 +149,68 @@ def test_a_damaged_database_file_is_a_clear_error_not_a_quarantine(tmp_path: Pat
     with pytest.raises(DatabaseUnusableError, match="cannot open"):
         open_guarded_store(db, health=Health(), registry=CollectorRegistry())
     assert db.exists() and not (tmp_path / "quarantine").exists()
+
+
+def test_a_damaged_database_file_with_its_wal_leaves_the_wal_in_place(db: Path) -> None:
+    wal = wal_path(db)
+    before = wal.read_bytes()
+    data = bytearray(db.read_bytes())
+    data[: 8192] = b"\xee" * 8192  # the file's headers
+    db.write_bytes(bytes(data))
+    with pytest.raises(DatabaseUnusableError, match="left in place"):
+        open_guarded_store(db, health=Health(), registry=CollectorRegistry())
+    assert wal.read_bytes() == before and not (db.parent / "quarantine").exists()
+
+
+def test_a_full_disk_is_a_clear_error_never_a_quarantine(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_run = subprocess.run
+
+    def small_files(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        def limit() -> None:  # the child may write no file larger than the ones it has: ENOSPC-like
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+
+        return real_run(*args, preexec_fn=limit, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(wal_guard.subprocess, "run", small_files)
+    wal = wal_path(db)
+    before = wal.read_bytes()
+    with pytest.raises(DatabaseUnusableError, match="File too large") as raised:
+        open_guarded_store(db, health=Health(), registry=CollectorRegistry())
+    assert "left in place" in str(raised.value)
+    assert wal.read_bytes().startswith(before) and not (db.parent / "quarantine").exists()
+    monkeypatch.undo()  # room again: every acknowledged batch is still there
+    again = open_guarded_store(db, health=(health := Health()), registry=CollectorRegistry())
+    try:
+        assert again.missing == {} and health.degraded == ()
+    finally:
+        again.durability.ack_log.close()
+        again.store.close()
+
+
+def test_an_unwritable_quarantine_folder_is_a_clear_error(db: Path) -> None:
+    (db.parent / "quarantine").write_text("a file where the folder should be")
+    wal = wal_path(db)
+    data = wal.read_bytes()
+    wal.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    with pytest.raises(DatabaseUnusableError, match="quarantine folder"):
+        open_guarded_store(db, health=Health(), registry=CollectorRegistry())
+    assert wal.exists()
+
+
+def test_another_process_holding_the_file_is_not_damage(db: Path) -> None:
+    import duckdb
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import duckdb, sys, time; con = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(db)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        before = wal_path(db).exists()
+        with pytest.raises(duckdb.IOException, match="Conflicting lock"):
+            open_guarded_store(db, health=Health(), registry=CollectorRegistry())
+        assert not (db.parent / "quarantine").exists() and wal_path(db).exists() == before
+    finally:
+        holder.kill()
+        holder.wait()

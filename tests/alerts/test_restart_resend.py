@@ -5,6 +5,9 @@ intervals plus the restart margin; an alert whose rule was removed is resolved e
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from agent.store import Store
 from alerts.notifier import Notifier
 from alerts.notify_config import parse_notify_config
-from alerts.rule_scheduler import RuleScheduler
+from alerts.rule_scheduler import RESEND_JOIN_SECONDS, RuleScheduler
 from alerts.rulefile import parse_rule_file
 
 T = 1_800_000_000.0
@@ -111,3 +114,79 @@ def test_resend_without_alertmanagers_or_firing_alerts_sends_nothing(store: Stor
     assert idle.resend(T) == 0 and am.bodies == []  # nothing restored, nothing pushed
     quiet = RuleScheduler(store=store, rules=idle.rules, log_path=tmp_path / "alerts.log", registry=CollectorRegistry())
     assert quiet.resend(T) == 0  # no notifier at all
+
+
+class SilentAlertmanager:
+    """A loopback socket that accepts connections and never answers (a hung Alertmanager);
+    :meth:`close` ends it, resetting the connections it holds."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        self.closing = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.closing.is_set():
+            try:
+                self.accepted.append(self.listener.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.closing.set()
+        self.thread.join(5)
+        self.listener.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+def test_shutdown_does_not_wait_for_a_re_push_that_an_alertmanager_never_answers(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # two 2-minute groups: each re-push may take 80% of 2 min; a SIGTERM soon after the start
+    # must still stop the agent (and checkpoint the store) at once
+    groups = [{"name": name, "interval": "2m", "rules": [{**ALWAYS, "alert": f"Always{name}"}]} for name in ("a", "b")]
+    rule_file = parse_rule_file({"groups": groups})
+    first = RuleScheduler(store=store, rules=rule_file, log_path=tmp_path / "alerts.log", registry=CollectorRegistry(), clock=lambda: T)
+    first.restore(T)
+    for group in rule_file.groups:
+        assert [n.status.value for n in first.run_group(group, T)] == ["firing"]
+
+    hung = SilentAlertmanager()
+    notify = parse_notify_config(
+        {"route": {"receiver": "null"}, "receivers": [{"name": "null"}], "alertmanagers": [{"url": hung.url}]},
+        source="notify.yaml", data_dir=tmp_path,
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    notifier = Notifier(store=store, config=notify, registry=registry, external_url="http://agent", clock=lambda: T + 60)
+    after = RuleScheduler(
+        store=store, rules=rule_file, log_path=tmp_path / "alerts.log", registry=registry, notifier=notifier, clock=lambda: T + 60
+    )
+    stopper = threading.Thread(target=after.shutdown, daemon=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="alerts.rule_scheduler"):
+            after.start()
+            deadline = time.monotonic() + 10
+            while not hung.accepted:  # the re-push of group a is waiting for an answer
+                assert time.monotonic() < deadline, "the re-push never reached the Alertmanager"
+                time.sleep(0.01)
+            [resender] = [t for t in threading.enumerate() if t.name == "kvscope-alert-resend"]
+            stopper.start()
+            stopper.join(RESEND_JOIN_SECONDS + 5)  # without the stop: 2 × 30 s of attempts
+            assert not stopper.is_alive(), "shutdown waited for the hung re-push"
+            assert resender.is_alive()  # it did not wait for the push to end
+            hung.close()  # the push of group a fails now; the re-push stops before group b
+            resender.join(10)
+            assert not resender.is_alive()
+    finally:
+        hung.close()
+        stopper.join(10)
+    assert len(hung.accepted) == 1  # group b was never pushed
+    assert "start-up re-push stopped (the agent is stopping); not re-pushed: rule group(s) [b]" in caplog.text
+    assert "stopping without waiting for the start-up re-push" in caplog.text

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -29,9 +30,10 @@ class RunningAgent:
 
 
 @contextmanager
-def running_agent(folder: Path) -> Iterator[RunningAgent]:
-    """Serve a fresh agent storing under ``folder`` until the block ends."""
-    config = AgentConfig(data_dir=folder, port=0, decode_processes=0)
+def running_agent(folder: Path, **settings: Any) -> Iterator[RunningAgent]:
+    """Serve a fresh agent storing under ``folder`` (other ``AgentConfig`` fields from
+    ``settings``) until the block ends."""
+    config = AgentConfig(data_dir=folder, port=0, decode_processes=0, **settings)
     store = Store.open(config.db_path)
     app = create_app(config, store, environ={})
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from agent.client import DEFAULT_QUERY_TIMEOUT_SECONDS, QUERY_TIMEOUT_MARGIN_SECONDS
 from agent.readiness import DataDirProbe
 from dashboard.agent_status import utc_text
+from dashboard.common import QUERY_TIMEOUT_KEY
 from dashboard.pages import TITLES
 from tests.dashboard.agent_fixture import render_page, running_agent
 
@@ -23,6 +25,10 @@ MODULES = {
     "sql": "sql_page",
     "capacity": "capacity_page",
 }
+
+
+CURRENT_CLIENT_TIMEOUT = "import streamlit as st\nfrom dashboard.common import current_client\nst.text(str(current_client().query_timeout_seconds))\n"
+"""A script showing the query timeout of the client :func:`dashboard.common.current_client` gives."""
 
 
 def badges(at: AppTest) -> list[str]:
@@ -75,6 +81,30 @@ def test_overview_ingest_health_shows_degraded_and_not_ready(tmp_path: Path, mon
         assert f"- the data directory {tmp_path / 'gone'} cannot be written (ENOENT: No such file or directory)" in error.value
         assert "Also degraded:\n- **wal_quarantined**" in error.value
         assert badges(at) == []  # not ready is an answer: the page is not stale
+
+
+def test_the_query_timeout_follows_the_agents_published_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent allowing 60 s per query (and 2 s in the queue) is waited for longer than that."""
+    with running_agent(tmp_path, sql_timeout_seconds=60) as agent:
+        at = render_page("sql_page", agent.url, monkeypatch)
+        assert not at.exception, [e.message for e in at.exception]
+        learned = at.session_state[QUERY_TIMEOUT_KEY]
+    assert learned == {agent.url: 60 + 2 + QUERY_TIMEOUT_MARGIN_SECONDS}
+    assert learned[agent.url] > 60 + 2
+    at = AppTest.from_string(CURRENT_CLIENT_TIMEOUT, default_timeout=30)
+    at.session_state[QUERY_TIMEOUT_KEY] = learned
+    monkeypatch.setenv("KVSCOPE_AGENT_URL", agent.url)
+    assert at.run().text[0].value == str(60 + 2 + QUERY_TIMEOUT_MARGIN_SECONDS)  # what current_client hands the pages
+
+
+def test_an_agent_that_names_no_limits_keeps_the_default_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as sock:  # nothing answers: no limits known
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("KVSCOPE_AGENT_URL", dead)
+    at = AppTest.from_string(CURRENT_CLIENT_TIMEOUT, default_timeout=30).run()
+    assert at.text[0].value == str(DEFAULT_QUERY_TIMEOUT_SECONDS)
+    assert at.session_state[QUERY_TIMEOUT_KEY] == {dead: None}
 
 
 def test_utc_text_adds_the_date_only_for_another_day() -> None:

@@ -5,6 +5,12 @@ intervals), and Alertmanager's webhook receives no ``resolved`` notification: th
 the restart margin, and the restarted agent re-pushes its restored alert at start-up. The alert
 stays active in Alertmanager throughout, and is not paged twice.
 
+What each part shows: with ``restart_margin: 30s`` the margin alone keeps the alert here (the
+first evaluation after the restart comes well within the lease), so the re-push is checked in the
+restarted agent's log (INFO): its line for the restored alert comes before the group's first run
+(APScheduler's ``Running job`` line), and no push failed. ``tests/alerts/test_restart_resend.py``
+checks what the re-push sends.
+
 Intervals are second-scale; everything listens on 127.0.0.1 and is stopped by PID.
 """
 
@@ -20,7 +26,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.agent_process import start_agent
+from tests.agent_process import ROOT, agent_command, agent_env, wait_ready
 from tests.e2e.procs import start, stop, wait_for
 from tests.e2e.test_alertmanager import ALERTMANAGER, MISSING, Hook
 from tests.helpers import free_port
@@ -53,6 +59,10 @@ RULES = {
         }
     ]
 }
+LOGGING = "import logging; logging.basicConfig(level=logging.INFO, format='%(asctime)s %(levelname)s %(name)s: %(message)s')\n"
+"""Prepended to the agent's script: its INFO lines (the re-push, APScheduler's job runs) in its log."""
+REPUSHED = "rule group restart: 1 restored alert(s) re-pushed to the Alertmanagers"
+FIRST_RUN = 'Running job "kvscope rule group restart'
 ALERTMANAGER_YML = """\
 route: {receiver: hook, group_by: [alertname], group_wait: 1s, group_interval: 1s, repeat_interval: 1h}
 receivers:
@@ -90,11 +100,13 @@ def test_a_restart_just_before_an_evaluation_sends_no_false_resolve(tmp_path: Pa
     alertmanager = agent = None
 
     def run_agent(log: str) -> subprocess.Popen[Any]:
+        python, flag, script, *args = agent_command(agent_port, data, "info", tmp_path / "rules.yaml", tmp_path / "notify.yaml")
         with (tmp_path / log).open("wb") as out:
-            return start_agent(
-                agent_port, data, log_level="info", rules=tmp_path / "rules.yaml", notify=tmp_path / "notify.yaml",
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+            process = subprocess.Popen(
+                [python, flag, LOGGING + script, *args], cwd=ROOT, env=agent_env(), stdout=out, stderr=subprocess.STDOUT
+            )
+        wait_ready(process, agent_port)
+        return process
 
     try:
         alertmanager = start(
@@ -120,6 +132,7 @@ def test_a_restart_just_before_an_evaluation_sends_no_false_resolve(tmp_path: Pa
         restarted_at = time.time()
         agent = run_agent("agent-2.log")
         wait_for("a push after the restart", alertmanager, 20, lambda: (updated_at(am_port) or 0) > restarted_at)
+        wait_for("the first evaluation after the restart", agent, 20, lambda: FIRST_RUN in (tmp_path / "agent-2.log").read_text())
         time.sleep(1.5)  # a resolve or a second page (Alertmanager's 1 s group_interval) would be in by now
         active = am_alerts(am_port)
     finally:
@@ -128,6 +141,10 @@ def test_a_restart_just_before_an_evaluation_sends_no_false_resolve(tmp_path: Pa
             agent.wait(10)
         stop(alertmanager)
         hook.close()
+    restarted = (tmp_path / "agent-2.log").read_text()
+    # the restored alert was re-pushed at start-up, before the group's first evaluation, and no push failed
+    assert REPUSHED in restarted and restarted.index(REPUSHED) < restarted.index(FIRST_RUN), restarted
+    assert "push to Alertmanager" not in restarted and "re-pushing the restored alerts failed" not in restarted, restarted
     assert hook.alerts("resolved") == [], hook.received
     assert len(hook.received) == 1 and hook.alerts("firing"), hook.received  # one page, none again after the restart
     [alert] = active

@@ -9,7 +9,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batch_scan import HEADER_SCAN_TOKENS, batch_header, too_deep
+from engine.batch_scan import HEADER_SCAN_BYTES, HEADER_SCAN_TOKENS, batch_header, too_deep
 
 ENCODE = {"json": msgspec.json.encode, "msgpack": msgspec.msgpack.encode}
 scalars = st.one_of(
@@ -69,6 +69,20 @@ def test_header_after_a_long_events_array_is_read() -> None:
     deep = b'{"events": [' + b"[" * 1000 + b"]" * 1000 + b', {"a": 1}], "seq": 9, "engine_id": "e"}'
     assert batch_header(deep, "json") == ("e", 9)
     assert too_deep(deep, "json") == "$.events"
+
+
+def test_past_msgspec_the_walk_reads_a_bounded_number_of_bytes() -> None:
+    """A body nested too deep for msgspec with its header last: found within the budget, given
+    up (None) past it — a 32 MiB body is not walked to its end."""
+    depth = 2000
+    deep = b'{"events": [' + b"[" * depth + b"]" * depth + b'], "engine_id": "e", "seq": 9}'
+    assert batch_header(deep, "json", scan_bytes=2 * depth + 100) == ("e", 9)
+    assert batch_header(deep, "json", scan_bytes=2 * depth - 400) is None  # the budget counts from token 256
+    far = b'{"events": [' + b"[" * HEADER_SCAN_BYTES + b"]" * HEADER_SCAN_BYTES + b'], "engine_id": "e", "seq": 9}'
+    assert batch_header(far, "json") is None  # the default budget: 64 KiB past the first tokens
+    packed = b"\x83" + msgspec.msgpack.encode("events") + b"\x91" * 3000 + b"\x90" + msgspec.msgpack.encode("engine_id") + msgspec.msgpack.encode("e") + msgspec.msgpack.encode("seq") + b"\x09"
+    assert batch_header(packed, "msgpack") == ("e", 9)
+    assert batch_header(packed, "msgpack", scan_bytes=1000) is None
 
 
 def test_malformed_bodies_give_none() -> None:

@@ -35,29 +35,34 @@ def stats(i: int) -> EngineStats:
 
 
 class DurableAgent:
-    """An httpx transport standing in for an agent with durable watermarks: stores each seq
-    once, makes what it stored durable on :meth:`checkpoint`, and on :meth:`restart` loses what
-    was not durable (a damaged WAL) and answers as a new process."""
+    """An httpx transport standing in for an agent with durable watermarks (agent/durability.py):
+    stores each seq once, answers with its checkpoint epoch, makes what it stored durable on
+    :meth:`checkpoint` (the epoch moves), and on :meth:`restart` loses what was not durable (a
+    damaged WAL) and answers as a new process, which checkpoints at start (epoch 1)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.instance = uuid.uuid4().hex
         self.batches: dict[int, list[int]] = {}
-        self.durable = -1
+        self.durable: set[int] = set()
+        self.epoch = 1
         self.posts = 0
 
     def checkpoint(self) -> None:
         with self.lock:
-            self.durable = max(self.batches, default=-1)
+            self.durable = set(self.batches)
+            self.epoch += 1
 
     def restart(self, *, lose_wal: bool) -> None:
         with self.lock:
             if lose_wal:
-                self.batches = {s: ids for s, ids in self.batches.items() if s <= self.durable}
+                self.batches = {s: ids for s, ids in self.batches.items() if s in self.durable}
+            self.durable = set(self.batches)
             self.instance = uuid.uuid4().hex
+            self.epoch = 1
 
     def watermark(self) -> dict[str, object]:
-        return {"durable_seq": self.durable if self.durable >= 0 else None, "agent_instance": self.instance}
+        return {"checkpoint_epoch": self.epoch, "durable_seq": max(self.durable, default=None), "agent_instance": self.instance}
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/ingest/checkpoint":
@@ -124,7 +129,7 @@ def test_an_agent_restarted_without_its_wal_gets_the_lost_batches_again_exactly_
     wait_until(lambda: agent.events() == list(range(50)))  # noticed at the next poll, re-sent
     assert c.resent_events == 30 and c.lost_events == 0
     c.close(timeout_seconds=5)  # the close makes the rest durable and releases it
-    assert agent.durable == 4 and (tmp_path / "e.spool").stat().st_size == 0
+    assert agent.durable == set(range(5)) and (tmp_path / "e.spool").stat().st_size == 0
 
 
 def test_an_agent_restarted_with_its_wal_gets_duplicates_at_most(tmp_path: Path) -> None:
@@ -144,8 +149,8 @@ def test_durable_records_are_compacted_away_and_the_rest_survives_a_restart(tmp_
     for i, data in enumerate(payload):
         assert spool.append(data, i + 1)
     for i in range(30):
-        spool.sent(i)
-    spool.release(19)  # 20 records durable: 2 MB before the 1 MB still awaiting, so compacted
+        spool.sent(i // 20)  # the first 20 acknowledged at epoch 0, the rest at epoch 1
+    spool.release(1)  # epoch 1: 20 records durable, 2 MB before the 1 MB still awaiting, so compacted
     assert path.stat().st_size == spool.pending_bytes == 10 * (100_000 + 12)
     assert spool.awaiting_records == 10
     spool.close()
@@ -160,7 +165,7 @@ def test_a_crash_between_saving_the_offset_and_the_rename_replays_duplicates_nev
     for i in range(3):
         assert spool.append(f"batch{i}".encode(), 1)
     spool.sent(0)
-    spool.release(0)
+    spool.release(1)
     spool.close()
     offset_file = path.with_name(path.name + ".offset")
     offset, inode = _OFFSET.unpack(offset_file.read_bytes())
@@ -174,13 +179,70 @@ def test_a_crash_between_saving_the_offset_and_the_rename_replays_duplicates_nev
 
 def test_a_full_budget_releases_acknowledged_records_before_refusing_new_ones(tmp_path: Path) -> None:
     path = tmp_path / "e.spool"
-    spool = Spool(path, 3 * (12 + 1000))
-    for _ in range(3):
-        assert spool.append(b"x" * 1000, 1)
-    spool.sent(0)
-    spool.sent(1)
-    assert spool.append(b"y" * 1000, 1)  # room made by giving up seq 0 (acknowledged, committed)
-    assert spool.released_records == 1 and spool.awaiting_records == 1
-    assert not spool.append(b"z" * 5000, 1)  # larger than the whole budget: refused
-    assert spool.peek() == (b"x" * 1000, 1)  # the unsent record is still next
+    record = 12 + 1000
+    spool = Spool(path, 8 * record)
+    for i in range(8):
+        assert spool.append(bytes([i]) * 1000, 1)
+    for _ in range(7):
+        spool.sent(0)  # acknowledged, none durable yet: one record unsent
+    assert spool.append(b"y" * 1000, 1)  # room: the oldest acknowledged given up, a quarter besides
+    assert spool.released_records == 3 and spool.awaiting_records == 4
+    assert path.stat().st_size == 6 * record  # compacted once for the next appends too
+    assert spool.append(b"z" * 1000, 1) and spool.released_records == 3  # no copy, no release
+    assert not spool.append(b"w" * 9000, 1)  # larger than the whole budget: refused ...
+    assert spool.released_records == 3 and spool.awaiting_records == 4  # ... giving up nothing
+    spool.rewind()
+    assert spool.peek() == (bytes([3]) * 1000, 1)  # the oldest kept record is sent again first
     spool.close()
+
+
+def test_a_backlog_that_fills_the_budget_refuses_without_giving_up_acknowledged_records(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "e.spool", 4 * (12 + 1000))
+    for _ in range(4):
+        assert spool.append(b"x" * 1000, 1)
+    spool.sent(0)  # one acknowledged, three unsent: releasing it would not make room for 3000 bytes
+    assert not spool.append(b"y" * 3000, 1)
+    assert spool.released_records == 0 and spool.awaiting_records == 1
+    spool.close()
+
+
+def test_a_page_that_is_not_the_agents_neither_stops_the_sender_nor_releases_anything(tmp_path: Path) -> None:
+    agent = DurableAgent()
+    proxy_pages = {"left": 5}
+
+    def behind_a_proxy(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/ingest/watermark" and proxy_pages["left"] > 0:
+            proxy_pages["left"] -= 1
+            return httpx.Response(200, text="<html>maintenance</html>") if proxy_pages["left"] % 2 else httpx.Response(502)
+        return agent(request)
+
+    c = client(agent, tmp_path / "e.spool")
+    c._http = httpx.Client(transport=httpx.MockTransport(behind_a_proxy))
+    send(c, range(20))
+    agent.checkpoint()
+    wait_until(lambda: c.spool is not None and c.spool.awaiting_records == 0)  # the real answer, at last
+    assert proxy_pages["left"] == 0 and c._thread.is_alive()
+    send(c, range(20, 30))  # and the sender still sends
+    assert agent.events() == list(range(30))
+    c.close(timeout_seconds=5)
+
+
+def test_an_agent_replaced_by_one_without_watermarks_gets_what_was_not_durable_again(tmp_path: Path) -> None:
+    agent = DurableAgent()
+    c = client(agent, tmp_path / "e.spool")
+    send(c, range(30))
+    legacy: dict[int, list[int]] = {}
+
+    def older_agent(request: httpx.Request) -> httpx.Response:  # stores, answers without epochs
+        if request.url.path != "/v1/events":
+            return httpx.Response(404, json={"error": {"reason": "not found"}})
+        body = msgspec.msgpack.decode(request.content)
+        legacy.setdefault(body["seq"], [e["used_bytes"] for e in body["events"]])
+        return httpx.Response(200, json={"status": "stored", "events": len(body["events"])})
+
+    c._http = httpx.Client(transport=httpx.MockTransport(older_agent))
+    wait_until(lambda: sorted(legacy) == [0, 1, 2])  # noticed at the next poll: all three re-sent
+    wait_until(lambda: c.spool is not None and c.spool.awaiting_records == 0)
+    assert c.resent_events == 30
+    c.close(timeout_seconds=5)
+    assert (tmp_path / "e.spool").stat().st_size == 0
