@@ -123,7 +123,7 @@ def test_prometheus_scrapes_recoverable_hit_rate_per_form(tmp_path: Path) -> Non
             timeout=10,
         )
         assert response.status_code == 200, response.text
-        assert response.json() | {"agent_instance": None} == {"status": "stored", "events": 4, "seq": 1, "durable_seq": None, "agent_instance": None}, response.text
+        assert response.json() | {"agent_instance": None} == {"status": "stored", "events": 4, "seq": 1, "checkpoint_epoch": 1, "durable_seq": None, "agent_instance": None}, response.text
 
         exposition = httpx.get(f"{agent_url}/metrics", timeout=10)
         assert exposition.status_code == 200
