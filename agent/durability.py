@@ -46,7 +46,8 @@ from pathlib import Path
 
 import msgspec
 
-from agent.ingest import IngestOutcome, SeqTracker
+from agent.ingest import IngestOutcome
+from agent.seq_tracker import SeqTracker
 from agent.store import Store
 
 log = logging.getLogger(__name__)

@@ -41,8 +41,9 @@ from typing import Literal
 
 import duckdb
 
-from agent.ingest import IngestOutcome, PreparedBatch, SeqTracker, latest_ingested_at, write_batches
+from agent.ingest import IngestOutcome, PreparedBatch, latest_ingested_at, write_batches
 from agent.metrics import AgentMetrics
+from agent.seq_tracker import SeqTracker
 from agent.store import Store, StoreClosedError, utc_now
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import AgentConfig
 from agent.ingest import (
-    SeqRanges,
-    SeqTracker,
     fold_cache_minute,
     fold_form_usable_minute,
     ingest_batch,
@@ -31,6 +29,7 @@ from agent.maintenance import MaintenanceScheduler, apply_retention, export_parq
 from agent.metrics import AgentMetrics
 from agent.migrations import bucket_column
 from agent.pipeline import Ingestor, QueueFull
+from agent.seq_tracker import SeqRanges, SeqTracker
 from agent.store import Store, to_timestamp, utc_now
 from engine.events import decode_batch
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from agent import wal_guard
 from agent.durability import AckLog, ack_log_path
 from agent.health import Health
-from agent.ingest import SeqTracker
+from agent.seq_tracker import SeqTracker
 from agent.startup import open_guarded_store
 from agent.wal_guard import DatabaseUnusableError, wal_path
 from tests.agent_process import ROOT, agent_env
@@ -31,7 +31,8 @@ import os, sys, time
 from collections.abc import Callable
 from pathlib import Path
 from agent.durability import AckLog, ack_log_path
-from agent.ingest import SeqTracker, prepare_batch, write_batches
+from agent.ingest import prepare_batch, write_batches
+from agent.seq_tracker import SeqTracker
 from agent.store import Store, utc_now
 from engine.events import EngineStats, EventBatch, Form, Tier
 from datetime import timedelta
