@@ -183,7 +183,7 @@ def create_app(
         durability.attach(app.state.ingestor.tracker)
     decoder = BatchDecoder(config.decode_processes)
     app.state.decoder = decoder
-    query_gate = QueryGate(config.sql_max_concurrent_queries, config.sql_queue_timeout_seconds)
+    query_gate = QueryGate(config.query_concurrency, config.sql_queue_timeout_seconds)
     app.state.query_gate = query_gate
     """Caps ``/v1/sql`` and ``/v1/query`` queries running at once (429 past the queue timeout)."""
     app.state.active_alerts = None

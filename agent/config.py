@@ -8,7 +8,7 @@ A YAML file holds a flat mapping whose keys are the field names of :class:`Agent
     token: s3cret            # or set KVSCOPE_TOKEN in the environment
     sql_row_limit: 10000
     sql_timeout_seconds: 10
-    sql_max_concurrent_queries: 4     # /v1/sql and /v1/query at once; more wait, then 429
+    sql_max_concurrent_queries: null  # /v1/sql and /v1/query at once (null: the usable CPUs); more wait, then 429
     sql_queue_timeout_seconds: 2
     duckdb_memory_limit_bytes: null   # null: half of RAM (or of the cgroup limit)
     duckdb_threads: null              # null: one fewer than the CPUs
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import yaml
 
+from agent.duckdb_settings import usable_cpus
 from agent.label_cap import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_VALUES
 from agent.pipeline import FULL_POLICIES
 
@@ -92,8 +93,10 @@ class AgentConfig:
             comes at the limit even when DuckDB cannot stop the query at once (one long function
             call); that query keeps its slot until it really ends.
         sql_max_concurrent_queries: ``/v1/sql`` and ``/v1/query`` queries running at once
-            (:mod:`agent.query_gate`); alert rule inputs do not count against it and are never
-            refused.
+            (:mod:`agent.query_gate`); ``None``: the CPUs the agent may use (2 on a 2-core
+            machine: with 4 heavy queries at once there, ingest p99 latency grew 2.3-4.3x, with 2
+            about 1.3-1.4x — benchmarks/query_isolation.py). Alert rule inputs do not count
+            against it and are never refused. The limit in force: :attr:`query_concurrency`.
         sql_queue_timeout_seconds: a query finding every slot taken waits this long for one,
             then is answered 429 with ``Retry-After``.
         duckdb_memory_limit_bytes: DuckDB's ``memory_limit`` for the whole instance; ``None``:
@@ -158,7 +161,7 @@ class AgentConfig:
     token: str | None = None
     sql_row_limit: int = 10_000
     sql_timeout_seconds: float = 10.0
-    sql_max_concurrent_queries: int = 4
+    sql_max_concurrent_queries: int | None = None
     sql_queue_timeout_seconds: float = 2.0
     duckdb_memory_limit_bytes: int | None = None
     duckdb_threads: int | None = None
@@ -206,7 +209,7 @@ class AgentConfig:
             raise ValueError(f"sql_row_limit must be >= 1, got {self.sql_row_limit}")
         if not self.sql_timeout_seconds > 0:
             raise ValueError(f"sql_timeout_seconds must be > 0, got {self.sql_timeout_seconds}")
-        if self.sql_max_concurrent_queries < 1:
+        if self.sql_max_concurrent_queries is not None and self.sql_max_concurrent_queries < 1:
             raise ValueError(f"sql_max_concurrent_queries must be >= 1, got {self.sql_max_concurrent_queries}")
         if self.sql_queue_timeout_seconds < 0:
             raise ValueError(f"sql_queue_timeout_seconds must be >= 0, got {self.sql_queue_timeout_seconds}")
@@ -259,6 +262,11 @@ class AgentConfig:
                 object.__setattr__(self, name, Path(value))
         if self.external_url is not None and not self.external_url.startswith(("http://", "https://")):
             raise ValueError(f"external_url must be an http(s) URL, got {self.external_url!r}")
+
+    @property
+    def query_concurrency(self) -> int:
+        """``sql_max_concurrent_queries``, or the usable CPUs when it is ``None``."""
+        return self.sql_max_concurrent_queries if self.sql_max_concurrent_queries is not None else usable_cpus()
 
     @property
     def db_path(self) -> Path:
