@@ -157,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=_port, default=8000)
     srv.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default: %(default)s)")
     srv.add_argument("--agent", default=None, help="send the cache's events to this agent")
+    srv.add_argument(
+        "--telemetry-spool-dir",
+        type=Path,
+        default=None,
+        help="with --agent: keep every event batch in a spool file here until the agent has checkpointed it "
+        "(survives an agent outage or a damaged agent WAL; spools earlier runs left here are sent first) (default: no spool)",
+    )
     srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (default: %(default)s)")
     srv.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens computed per engine step (default: %(default)s)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
@@ -483,14 +490,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve ``--model`` over HTTP until interrupted."""
     import uvicorn
 
-    from engine.llm import LLM
+    from engine.llm import LLM, default_engine_id
     from engine.runtime import Runtime, SchedulerConfig
     from engine.runtime.engine_loop import EngineLoop
     from engine.runtime.server import create_app
+    from engine.telemetry import TelemetryClient
+    from kvscope.replaying import drain_earlier_spools
 
+    engine_id = default_engine_id()
+    telemetry: str | TelemetryClient | None = args.agent
     try:
         config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-        llm = LLM(args.model, device=args.device, telemetry=args.agent)
+        if args.agent and args.telemetry_spool_dir is not None:
+            drain_earlier_spools(args.telemetry_spool_dir, args.agent, current_engine_id=engine_id)
+            telemetry = TelemetryClient(args.agent, engine_id, spool_path=args.telemetry_spool_dir / f"{engine_id}.spool")
+        llm = LLM(args.model, device=args.device, telemetry=telemetry, engine_id=engine_id)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     try:
