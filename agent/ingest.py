@@ -14,10 +14,8 @@ Contract:
   events is a ``conflict`` (filed ``rejected``, never stored over the first).
 * :func:`record_rejected` is the best-effort audit row of a batch that failed to decode.
 
-* :func:`fold_cache_minute` folds the lookups stored since its last run into ``cache_minute``
-  (the maintenance job runs it every ``rollup_interval_seconds``): counts, token sums and
-  cumulative ``recovery_le_*`` bucket counts per minute × engine × model × form × tier ×
-  outcome × reason, so windows of any size merge exactly; a late event lands in its own minute.
+* The rollups folded from the stored rows are :mod:`agent.rollups`; the row types and the table
+  of each event kind are :mod:`agent.event_tables`.
 
 ``ingest_batches.rows`` counts the event rows that batch stored: the event count for ``stored``,
 0 for ``duplicate`` and ``rejected``.
@@ -26,11 +24,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
-import enum
-import operator
 import time
-import types
-import typing
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
@@ -41,98 +35,25 @@ from typing import Literal
 
 import duckdb
 import msgspec
-import numpy as np
 import pyarrow as pa
 
-from agent.migrations import RECOVERY_BUCKETS_V3, bucket_column
+from agent.event_tables import (
+    RECOVERING_OUTCOMES,
+    RECOVERING_SQL,
+    RECOVERY_BUCKETS,
+    TABLE_OF_KIND,
+    TABLE_SPECS,
+    build_tables,
+    with_ingested_at,
+)
 from agent.seq_tracker import LEGACY_SEQ_FLOOR, SeqTracker, _gap
 from agent.store import Store
 from engine.batch_scan import batch_header
 from engine.events import (
-    BlockEvent,
-    CacheLookup,
     ContentFormat,
-    EngineStats,
-    Event,
     EventBatch,
     EventError,
-    RequestEvent,
 )
-
-_TS = pa.timestamp("us")
-
-
-@dataclass(frozen=True, slots=True)
-class _TableSpec:
-    """Where one event kind is stored: the table and its columns (event field names, except
-    ``ingested_at`` which the agent sets), with their Arrow types."""
-
-    kind: str
-    table: str
-    columns: tuple[tuple[str, pa.DataType], ...]
-
-    @property
-    def column_list(self) -> str:
-        return ", ".join(name for name, _ in self.columns)
-
-
-TABLE_OF_KIND = {
-    "cache_lookup": "cache_lookups",
-    "request": "requests",
-    "engine_stats": "engine_stats",
-    "block": "block_events",
-}
-"""Event kind (the ``kind`` tag) → the table its events go to."""
-
-
-def _arrow_type(name: str, hint: object) -> pa.DataType:
-    """The column type of one event field, read off its annotation in ``engine.events``."""
-    if name == "ts":
-        return _TS
-    base: object = hint
-    metas: tuple[object, ...] = ()
-    if typing.get_origin(hint) is typing.Annotated:
-        base, *rest = typing.get_args(hint)
-        metas = tuple(rest)
-    if base is bool:
-        return pa.bool_()
-    nullable = typing.get_args(base) if typing.get_origin(base) in (typing.Union, types.UnionType) else ()
-    if len(nullable) == 2 and type(None) in nullable:  # ``Annotated[int, ...] | None``: the column is nullable
-        inner = next(o for o in nullable if o is not type(None))
-        if typing.get_origin(inner) is typing.Annotated or inner in (int, float, bool):
-            return _arrow_type(name, inner)
-    if base is int:
-        small = any(getattr(m, "le", None) == 2**31 - 1 for m in metas)
-        return pa.int32() if small else pa.int64()
-    if base is float:
-        return pa.float64()
-    options = typing.get_args(base) if isinstance(base, types.UnionType) else (base,)
-    if all(o is str or o is type(None) or (isinstance(o, type) and issubclass(o, enum.StrEnum)) for o in options):
-        return pa.string()
-    raise TypeError(f"event field {name}: no column type for {hint!r}")
-
-
-def _spec(cls: type[msgspec.Struct]) -> _TableSpec:
-    kind = cls.__struct_config__.tag
-    assert isinstance(kind, str)
-    hints = typing.get_type_hints(cls, include_extras=True)
-    columns = tuple((f.name, _arrow_type(f.name, hints[f.name])) for f in msgspec.structs.fields(cls))
-    return _TableSpec(kind, TABLE_OF_KIND[kind], (*columns, ("ingested_at", _TS)))
-
-
-TABLE_SPECS: dict[type[Event], _TableSpec] = {cls: _spec(cls) for cls in (CacheLookup, RequestEvent, EngineStats, BlockEvent)}
-"""Event class → its table. Keys of :func:`build_tables`'s result are the ``table`` names."""
-
-
-RECOVERING_OUTCOMES = ("recovered", "replayed")
-"""Lookup outcomes that recovered state (a swap-in, a rebuild, Tail-Replay): the ones the
-recovery-latency histograms and buckets count."""
-RECOVERING_SQL = "outcome IN (" + ", ".join(f"'{o}'" for o in RECOVERING_OUTCOMES) + ")"
-"""The SQL condition for :data:`RECOVERING_OUTCOMES` (constants, not user input)."""
-
-RECOVERY_BUCKETS = RECOVERY_BUCKETS_V3
-"""Upper bounds (seconds) of the recovery-latency histogram: ``cache_minute``'s cumulative
-``recovery_le_*`` columns and the ``kvscope_recovery_seconds`` Prometheus histogram."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,44 +97,6 @@ class IngestOutcome:
     """When the transaction holding this batch committed (unix seconds)."""
 
 
-def _spec_columns(spec: _TableSpec) -> tuple[tuple[str, pa.DataType], ...]:
-    return tuple(c for c in spec.columns if c[0] != "ingested_at")
-
-
-def build_tables(batch: EventBatch, *, ingested_at: datetime | None = None) -> dict[str, pa.Table]:
-    """One Arrow table per event kind present in ``batch`` (table name → table), rows in batch
-    order, typed like the store's tables. ``ingested_at`` (naive UTC) adds that column; ``None``
-    leaves it out (a flush adds it)."""
-    grouped: dict[type[Event], list[Event]] = defaultdict(list)
-    for event in batch.events:
-        grouped[type(event)].append(event)
-    tables: dict[str, pa.Table] = {}
-    for cls, items in grouped.items():
-        spec = TABLE_SPECS[cls]
-        columns = _spec_columns(spec)
-        arrays = []
-        for name, dtype in columns:
-            column = list(map(operator.attrgetter(name), items))
-            if name == "ts":
-                micros = np.rint(np.asarray(column, dtype=np.float64) * 1e6).astype(np.int64)
-                arrays.append(pa.array(micros).cast(dtype))
-            else:
-                arrays.append(pa.array(column, dtype))
-        table = pa.Table.from_arrays(arrays, schema=pa.schema([pa.field(n, t) for n, t in columns]))
-        tables[spec.table] = table if ingested_at is None else with_ingested_at(table, ingested_at)
-    return tables
-
-
-def with_ingested_at(table: pa.Table, ingested_at: datetime) -> pa.Table:
-    """``table`` plus a constant ``ingested_at`` column (naive UTC)."""
-    micros = round((ingested_at - _EPOCH).total_seconds() * 1e6)
-    column = pa.array(np.full(table.num_rows, micros, dtype=np.int64)).cast(_TS)
-    return table.append_column(pa.field("ingested_at", _TS), column)
-
-
-_EPOCH = datetime(1970, 1, 1)
-
-
 def prepare_batch(batch: EventBatch) -> PreparedBatch:
     """Turn a decoded batch (already checked by :func:`engine.events.decode_batch`) into the
     tables a flush inserts."""
@@ -230,6 +113,24 @@ def prepare_batch(batch: EventBatch) -> PreparedBatch:
 
 
 _DIGEST_ENCODER = msgspec.msgpack.Encoder()
+
+__all__ = [
+    "RECOVERING_OUTCOMES",
+    "RECOVERING_SQL",
+    "RECOVERY_BUCKETS",
+    "TABLE_OF_KIND",
+    "TABLE_SPECS",
+    "IngestOutcome",
+    "PreparedBatch",
+    "build_tables",
+    "ingest_batch",
+    "latest_ingested_at",
+    "prepare_batch",
+    "record_rejected",
+    "registered",
+    "with_ingested_at",
+    "write_batches",
+]
 
 
 def write_batches(
@@ -355,155 +256,6 @@ def _insert(cur: duckdb.DuckDBPyConnection, table_name: str, columns: str, table
     view = f"_ingest_{table_name}"
     with registered(cur, view, table):
         cur.execute(f"INSERT INTO {table_name} ({columns}) SELECT {columns} FROM {view}")
-
-
-_BUCKET_SELECT = ", ".join(
-    f"count(*) FILTER (WHERE {RECOVERING_SQL} AND recovery_seconds <= {bound!r})"
-    for bound in RECOVERY_BUCKETS
-)
-_SUMMED = (
-    "lookups",
-    "approximate_lookups",
-    "hash_hit_tokens",
-    "usable_tokens",
-    "recoverable_tokens",
-    "replayed_tokens",
-    "bytes_moved",
-    "recovery_seconds_sum",
-    *(bucket_column(b) for b in RECOVERY_BUCKETS),
-)
-_CACHE_MINUTE_UPSERT = f"""
-    INSERT INTO cache_minute
-    SELECT date_trunc('minute', ts), engine_id, model, form, tier, outcome, reason,
-           count(*), count(*) FILTER (WHERE approximate),
-           sum(hash_hit_tokens), sum(usable_tokens), sum(recoverable_tokens),
-           sum(replayed_tokens), sum(bytes_moved), sum(recovery_seconds),
-           {_BUCKET_SELECT}
-    FROM cache_lookups
-    WHERE ingested_at > $low AND ingested_at <= $high
-    GROUP BY ALL
-    ON CONFLICT (minute, engine_id, model, form, tier, outcome, reason) DO UPDATE SET
-    {", ".join(f"{c} = {c} + EXCLUDED.{c}" for c in _SUMMED)}
-"""
-
-
-def fold_cache_minute(store: Store) -> int:
-    """Fold the ``cache_lookups`` rows stored since the last fold into ``cache_minute``; returns
-    how many rows were folded.
-
-    Rows are taken by ``ingested_at`` above the ``cache_minute`` watermark, up to the newest
-    committed one; the watermark moves in the same transaction as the sums, so every row is
-    folded exactly once, late events (an old ``ts``) land in their own minute, and a crash
-    between folds only delays them. Correct because the ingest flusher stamps ``ingested_at`` in
-    increasing order and commits flushes one after the other: when a row stamped ``W`` is
-    visible, every row stamped before ``W`` is too. Runs under the store's writer lock (between
-    two flushes).
-
-    Raises:
-        duckdb.Error, StoreClosedError: the store failed; nothing moved.
-    """
-    with store.transaction() as cur:
-        low = _watermark(cur, "cache_minute")
-        ((high, count),) = cur.execute(
-            "SELECT max(ingested_at), count(*) FROM cache_lookups WHERE ingested_at > $low",
-            {"low": low},
-        ).fetchall()
-        if count:
-            cur.execute(_CACHE_MINUTE_UPSERT, {"low": low, "high": high})
-            _move_watermark(cur, "cache_minute", high)
-    return int(count)
-
-
-def _watermark(cur: duckdb.DuckDBPyConnection, name: str) -> datetime:
-    """The ``ingested_at`` a rollup has folded up to (the epoch before its first fold)."""
-    rows = cur.execute("SELECT ingested_at FROM rollup_watermarks WHERE name = $name", {"name": name}).fetchall()
-    return rows[0][0] if rows else datetime(1970, 1, 1)
-
-
-def _move_watermark(cur: duckdb.DuckDBPyConnection, name: str, high: datetime) -> None:
-    cur.execute(
-        "INSERT INTO rollup_watermarks VALUES ($name, $high) ON CONFLICT (name) DO UPDATE SET ingested_at = EXCLUDED.ingested_at",
-        {"name": name, "high": high},
-    )
-
-
-LOOKUP_SLACK = "INTERVAL 1 HOUR"
-"""A request's lookups are those of its engine and id with ``ts`` within this of the request's
-own ``ts``, either side (lookups happen at admission, the request event at the end; a producer's
-clocks may differ a little); others — of requests that ran longer — are left out, by the fold
-and by the raw queries alike."""
-
-_FORM_USABLE_UPSERT = f"""
-    INSERT INTO form_usable_minute
-    WITH touched AS (  -- requests stored since the fold, and older ones a late lookup belongs to
-        SELECT engine_id, request_id, model, ts, prompt_tokens, ingested_at > $low AS new
-        FROM requests
-        WHERE ingested_at <= $high AND (
-            ingested_at > $low
-            OR (ts >= $late_low::TIMESTAMP - {LOOKUP_SLACK} AND ts <= $late_high::TIMESTAMP + {LOOKUP_SLACK} AND (engine_id, request_id) IN (
-                SELECT engine_id, request_id FROM cache_lookups WHERE ingested_at > $low AND ingested_at <= $high
-            ))
-        )
-    ), per_form AS (
-        SELECT r.engine_id, r.request_id, r.model, r.ts, r.prompt_tokens, r.new, l.form,
-               min(l.usable_tokens) AS usable_now,
-               min(l.usable_tokens) FILTER (WHERE l.ingested_at <= $low) AS usable_before
-        FROM touched AS r
-        JOIN cache_lookups AS l USING (engine_id, request_id)
-        WHERE l.ingested_at <= $high
-          AND l.ts >= (SELECT min(ts) FROM touched) - {LOOKUP_SLACK}
-          AND l.ts BETWEEN r.ts - {LOOKUP_SLACK} AND r.ts + {LOOKUP_SLACK}
-        GROUP BY ALL
-    )
-    SELECT date_trunc('minute', ts), engine_id, model, form,
-           -- a request counts once per form: when it (or its first lookup of the form) is folded;
-           -- a late lookup that lowers the minimum subtracts the difference
-           count(*) FILTER (WHERE new OR usable_before IS NULL),
-           sum(CASE WHEN new OR usable_before IS NULL THEN usable_now ELSE usable_now - usable_before END),
-           sum(CASE WHEN new OR usable_before IS NULL THEN prompt_tokens ELSE 0 END)
-    FROM per_form
-    GROUP BY ALL
-    ON CONFLICT (minute, engine_id, model, form) DO UPDATE SET
-        requests = requests + EXCLUDED.requests,
-        usable_tokens = usable_tokens + EXCLUDED.usable_tokens,
-        prompt_tokens = prompt_tokens + EXCLUDED.prompt_tokens
-"""
-
-
-def fold_form_usable_minute(store: Store) -> int:
-    """Fold the requests stored since the last fold, and the lookups stored since then whose
-    request was folded before, into ``form_usable_minute``; returns how many requests and
-    lookups were new.
-
-    A row holds, per minute of the requests' ``ts``, engine, model and form: how many requests
-    looked the form up, Σ of each request's usable tokens of the form (the minimum over its
-    lookups: layer groups, tensor-parallel ranks) and Σ of their prompt tokens — what
-    ``form_usable_timeseries`` computes from the raw tables, so that a day's Overview reads a few
-    thousand rows instead of every lookup. A lookup stored after its request was folded lowers
-    that request's minimum by the difference; a request with no stored lookup of a form does not
-    count for it until one arrives. Watermark and atomicity as :func:`fold_cache_minute`.
-
-    Raises:
-        duckdb.Error, StoreClosedError: the store failed; nothing moved.
-    """
-    with store.transaction() as cur:
-        low = _watermark(cur, "form_usable_minute")
-        ((high, requests, lookups, late_low, late_high),) = cur.execute(
-            """
-            SELECT greatest(r.high, l.high), r.n, l.n, l.low_ts, l.high_ts
-            FROM (SELECT max(ingested_at) AS high, count(*) AS n FROM requests WHERE ingested_at > $low) AS r,
-                 (SELECT max(ingested_at) AS high, count(*) AS n, min(ts) AS low_ts, max(ts) AS high_ts
-                  FROM cache_lookups WHERE ingested_at > $low) AS l
-            """,
-            {"low": low},
-        ).fetchall()
-        if requests or lookups:
-            cur.execute(
-                _FORM_USABLE_UPSERT,
-                {"low": low, "high": high, "late_low": late_low, "late_high": late_high},
-            )
-            _move_watermark(cur, "form_usable_minute", high)
-    return int(requests) + int(lookups)
 
 
 _BATCH_ROW_SCHEMA = pa.schema(

@@ -4,8 +4,8 @@ checkpoints and the NVML GPU sampler, on one APScheduler 3.x ``BackgroundSchedul
 Jobs (each ``max_instances=1``, ``coalesce=True``; a failure is logged and counted in
 ``kvscope_maintenance_runs_total{job, status="error"}``, and the next run tries again):
 
-* ``rollup`` every ``rollup_interval_seconds``: :func:`agent.ingest.fold_cache_minute` and
-  :func:`agent.ingest.fold_form_usable_minute`, then the
+* ``rollup`` every ``rollup_interval_seconds``: :func:`agent.rollups.fold_cache_minute` and
+  :func:`agent.rollups.fold_form_usable_minute`, then the
   ``kvscope_recoverable_hit_ratio`` gauge from the last minute (:func:`recent_hit_sums`).
 * ``export`` every hour, ``export_lag_seconds`` after the hour (or every
   ``maintenance_interval_seconds``): :func:`export_parquet` writes the rows of finished hours
@@ -52,8 +52,8 @@ from prometheus_client import Counter
 from agent.arrow_utc import utc_adjusted
 from agent.config import AgentConfig
 from agent.gpu import GpuSampler
-from agent.ingest import fold_cache_minute, fold_form_usable_minute
 from agent.metrics import AgentMetrics
+from agent.rollups import fold_cache_minute, fold_form_usable_minute
 from agent.store import Store, to_timestamp
 
 log = logging.getLogger(__name__)

@@ -272,7 +272,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         version=6,
         name="form_usable_minute: per minute and form, the usable and prompt tokens of the requests",
         statements=(
-            # folded by agent.ingest.fold_form_usable_minute (watermark 'form_usable_minute'); the
+            # folded by agent.rollups.fold_form_usable_minute (watermark 'form_usable_minute'); the
             # first fold after this migration takes every stored request
             """
             CREATE TABLE form_usable_minute (

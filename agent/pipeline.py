@@ -15,7 +15,7 @@ Contract:
   whole queue is accepted when the queue is empty (it could never fit otherwise).
 * The flusher takes everything queued (up to ``flush_max_events`` events, at least one batch)
   and writes it with :func:`agent.ingest.write_batches` in one transaction, stamping
-  ``ingested_at`` in strictly increasing order (what :func:`agent.ingest.fold_cache_minute`
+  ``ingested_at`` in strictly increasing order (what :func:`agent.rollups.fold_cache_minute`
   relies on). If that group fails, each of its batches is retried alone, so one failing batch
   never fails the others. The flusher does only database work; event metrics are counted by the
   request that receives the outcome (:meth:`agent.metrics.AgentMetrics.observe_ingest`), so they

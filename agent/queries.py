@@ -21,8 +21,8 @@ from types import MappingProxyType
 
 import duckdb
 
-from agent.ingest import LOOKUP_SLACK
 from agent.migrations import RECOVERY_BUCKETS_V3, bucket_column
+from agent.rollups import LOOKUP_SLACK
 
 MAX_NAME_CHARS = 256
 
@@ -259,7 +259,7 @@ FORM_USABLE_TIMESERIES = NamedQuery(
         JOIN cache_lookups AS l USING (engine_id, request_id)
         WHERE $bucket_seconds::BIGINT % 60 <> 0
           AND r.ts >= $now - to_seconds($since_seconds::BIGINT) AND {_FILTER.format(t="r.")}
-          -- a request's lookups: within an hour of its ts (agent.ingest.LOOKUP_SLACK)
+          -- a request's lookups: within an hour of its ts (agent.rollups.LOOKUP_SLACK)
           AND l.ts >= $now - to_seconds($since_seconds::BIGINT) - {LOOKUP_SLACK}
           AND l.ts BETWEEN r.ts - {LOOKUP_SLACK} AND r.ts + {LOOKUP_SLACK}
         GROUP BY r.engine_id, r.request_id, r.ts, r.prompt_tokens, l.form

@@ -45,7 +45,8 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from agent.config import read_yaml
-from agent.ingest import fold_cache_minute, ingest_batch
+from agent.ingest import ingest_batch
+from agent.rollups import fold_cache_minute
 from agent.store import Store, to_timestamp
 from alerts import strict
 from alerts.rule_eval import Notification

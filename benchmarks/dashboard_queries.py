@@ -4,8 +4,8 @@ six lookups, the ``cache_minute`` rollup of them, engine stats and batches — s
 ``--hours`` hours, so the pages' default windows (15 minutes, 1 hour) cut through real volume.
 
 Rows are generated as Arrow tables (numpy, seeded) and inserted the way the agent's flusher
-does; the rollups are folded with the agent's own :func:`agent.ingest.fold_cache_minute` and
-:func:`agent.ingest.fold_form_usable_minute` (their first fold and a ten-second one are timed). Each
+does; the rollups are folded with the agent's own :func:`agent.rollups.fold_cache_minute` and
+:func:`agent.rollups.fold_form_usable_minute` (their first fold and a ten-second one are timed). Each
 query then runs ``--repeats`` times through the agent's read-only path
 (:func:`agent.sql.run_read_query`, what ``GET /v1/query/{name}`` calls); reported per query:
 median and max milliseconds, rows returned; per page: the slowest query's median and the sum of
@@ -30,7 +30,8 @@ import numpy as np
 import pyarrow as pa
 
 from agent import queries, sql
-from agent.ingest import fold_cache_minute, fold_form_usable_minute, registered
+from agent.ingest import registered
+from agent.rollups import fold_cache_minute, fold_form_usable_minute
 from agent.store import Store, to_timestamp
 
 PAGES: dict[str, list[tuple[str, dict[str, str]]]] = {

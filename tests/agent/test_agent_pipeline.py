@@ -19,16 +19,12 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import AgentConfig
-from agent.ingest import (
-    fold_cache_minute,
-    fold_form_usable_minute,
-    ingest_batch,
-    prepare_batch,
-)
+from agent.ingest import ingest_batch, prepare_batch
 from agent.maintenance import MaintenanceScheduler, apply_retention, export_parquet
 from agent.metrics import AgentMetrics
 from agent.migrations import bucket_column
 from agent.pipeline import Ingestor, QueueFull
+from agent.rollups import fold_cache_minute, fold_form_usable_minute
 from agent.seq_tracker import SeqRanges, SeqTracker
 from agent.store import Store, to_timestamp, utc_now
 from engine.events import decode_batch

@@ -9,8 +9,8 @@ import pytest
 from agent_testdata import batch, json_body, lookup_event, request_event
 from fastapi.testclient import TestClient
 
-from agent.ingest import fold_form_usable_minute
 from agent.queries import NAMED_QUERIES
+from agent.rollups import fold_form_usable_minute
 from agent.store import Store
 
 JSON = {"content-type": "application/json"}
@@ -168,7 +168,7 @@ def test_request_lookups_takes_each_forms_minimum(loaded: TestClient) -> None:
 
 
 def test_form_timeseries_and_limiting_forms(loaded: TestClient, store: Store) -> None:
-    from agent.ingest import fold_cache_minute
+    from agent.rollups import fold_cache_minute
 
     fold_cache_minute(store)
     rows_ = rows(loaded, "form_timeseries", since_seconds=366 * 86400, bucket_seconds=86400, form="full_kv")

@@ -10,7 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from agent.ingest import fold_cache_minute, ingest_batch
+from agent.ingest import ingest_batch
+from agent.rollups import fold_cache_minute
 from agent.store import Store, to_timestamp
 from alerts.inputs import ExprError, collect_inputs
 from alerts.rule_eval import (

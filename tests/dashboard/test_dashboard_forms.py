@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from agent.ingest import fold_cache_minute
+from agent.rollups import fold_cache_minute
 from tests.dashboard.agent_fixture import RunningAgent, render_page, running_agent
 
 M0 = (int(time.time()) // 60 - 3) * 60  # a whole minute, three minutes ago

@@ -213,7 +213,7 @@ def test_streamlit_command() -> None:
 
 
 def test_overview_banner_and_per_form_multiples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent.ingest import fold_cache_minute
+    from agent.rollups import fold_cache_minute
 
     base = (int(time.time()) // 60 - 2) * 60
     events = [
