@@ -8,6 +8,7 @@ import torch
 
 from engine import LLM
 from engine.config import HybridConfig
+from engine.events import EngineStats, Form, Tier
 from engine.outputs import ScoreOutput
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}
@@ -61,3 +62,20 @@ def qwen3_next_dense() -> object:
 
 NO_COMPRESSED = HybridConfig(layer_types=("linear_attention", "sliding_attention", "full_attention", "linear_attention"), sliding_window=24)
 """A kvscope_hybrid with every kind the runner batches: linear, sliding and full layers."""
+
+
+def numbered_stats(engine_id: str, i: int, *, ts_step: float = 1.0) -> EngineStats:
+    """An ``engine_stats`` event whose ``used_bytes`` is its id ``i`` (to check a stream arrived
+    whole and once), at ``1.7e9 + i * ts_step`` unix seconds."""
+    return EngineStats(
+        ts=1_700_000_000.0 + i * ts_step,
+        engine_id=engine_id,
+        model="m",
+        form=Form.FULL_KV,
+        tier=Tier.DEVICE,
+        used_bytes=i,
+        used_blocks=0,
+        cached_blocks=0,
+        free_blocks=0,
+        total_blocks=1,
+    )

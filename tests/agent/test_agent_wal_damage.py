@@ -19,11 +19,11 @@ import httpx
 
 from agent.store import Store
 from agent.wal_guard import wal_path
-from engine.events import EngineStats, Form, Tier
+from engine.events import EngineStats
 from engine.telemetry import TelemetryClient
 from kvscope.replaying import drain_earlier_spools
 from tests.agent_process import start_agent
-from tests.helpers import free_port
+from tests.helpers import free_port, numbered_stats
 
 ENGINES = ("e-wal-0", "e-wal-1")
 PER_ROUND = 200
@@ -32,18 +32,7 @@ CONFIG = {"checkpoint_interval_seconds": 3600, "decode_processes": 0}
 
 
 def stats(engine: str, i: int) -> EngineStats:
-    return EngineStats(
-        ts=1_700_000_000.0 + i / 1000,
-        engine_id=engine,
-        model="m",
-        form=Form.FULL_KV,
-        tier=Tier.DEVICE,
-        used_bytes=i,  # the event's id
-        used_blocks=0,
-        cached_blocks=0,
-        free_blocks=0,
-        total_blocks=1,
-    )
+    return numbered_stats(engine, i, ts_step=0.001)
 
 
 def wait_until(condition: Callable[[], bool], what: str, seconds: float = 60.0) -> None:

@@ -14,24 +14,14 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from engine.events import EngineStats, Form, Tier
+from engine.events import EngineStats
 from engine.spool import _OFFSET, Spool
 from engine.telemetry import TelemetryClient
+from tests.helpers import numbered_stats
 
 
 def stats(i: int) -> EngineStats:
-    return EngineStats(
-        ts=1_700_000_000.0 + i,
-        engine_id="e-durable",
-        model="m",
-        form=Form.FULL_KV,
-        tier=Tier.DEVICE,
-        used_bytes=i,
-        used_blocks=0,
-        cached_blocks=0,
-        free_blocks=0,
-        total_blocks=1,
-    )
+    return numbered_stats("e-durable", i)
 
 
 class DurableAgent:

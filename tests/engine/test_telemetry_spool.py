@@ -12,24 +12,14 @@ import httpx
 import msgspec
 import pytest
 
-from engine.events import EngineStats, Form, Tier
+from engine.events import EngineStats
 from engine.spool import Spool
 from engine.telemetry import TelemetryClient
+from tests.helpers import numbered_stats
 
 
 def stats(i: int, engine_id: str = "e-spool") -> EngineStats:
-    return EngineStats(
-        ts=1_700_000_000.0 + i,
-        engine_id=engine_id,
-        model="m",
-        form=Form.FULL_KV,
-        tier=Tier.DEVICE,
-        used_bytes=i,
-        used_blocks=0,
-        cached_blocks=0,
-        free_blocks=0,
-        total_blocks=1,
-    )
+    return numbered_stats(engine_id, i)
 
 
 class FlakyAgent:
