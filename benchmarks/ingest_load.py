@@ -269,11 +269,17 @@ def free_port() -> int:
 
 
 def start_agent(port: int, data: Path, log_path: Path, config: Path | None = None) -> subprocess.Popen[bytes]:
+    return launch_agent(AGENT_SCRIPT, [str(port), str(data), *([str(config)] if config else [])], port, log_path)
+
+
+def launch_agent(script: str, args: list[str], port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    """Run ``python -c script *args`` (an agent on 127.0.0.1:``port``, stderr to ``log_path``)
+    and wait, at most 60 s, until its ``/readyz`` answers 200."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("KVSCOPE_TOKEN", None)
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-c", AGENT_SCRIPT, str(port), str(data), *([str(config)] if config else [])],
+            [sys.executable, "-c", script, *args],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log_file,
         )  # fmt: skip
     deadline = time.monotonic() + 60

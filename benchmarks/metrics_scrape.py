@@ -23,11 +23,8 @@ on 2 cores). Prints one JSON object; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +37,8 @@ from typing import Any
 import httpx
 import msgspec
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.ingest_load import free_port, launch_agent, stop_agent
+
 PER_BATCH = 5_000
 AGENT_SCRIPT = """
 import sys
@@ -66,40 +64,8 @@ def log(message: str) -> None:
     print(f"[metrics_scrape] {message}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_agent(port: int, data: Path, cap: int, log_path: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("KVSCOPE_TOKEN", None)
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-c", AGENT_SCRIPT, str(port), str(data), str(cap)],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log_file,
-        )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the agent exited during start-up:\n{log_path.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            stop_agent(process)
-            raise RuntimeError("the agent did not become ready within 60 s")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return process
-        time.sleep(0.05)
-
-
-def stop_agent(process: subprocess.Popen[bytes]) -> int:
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        return process.wait()
+    return launch_agent(AGENT_SCRIPT, [str(port), str(data), str(cap)], port, log_path)
 
 
 def events(models: range, ts: float) -> list[dict[str, Any]]:
