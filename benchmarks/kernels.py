@@ -44,8 +44,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.model.gated_deltanet import chunk_gated_delta_rule as engine_chunk_rule
-from engine.model.gated_deltanet import l2norm
 from kernels.compressor import compress_pool, compress_pool_ref
 from kernels.gated_delta_rule import (
     CHUNK,
@@ -53,6 +51,8 @@ from kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
 )
+from kernels.gated_delta_rule_torch import chunk_gated_delta_rule as engine_chunk_rule
+from kernels.gated_delta_rule_torch import l2norm
 from kernels.indexer_topk import indexer_topk, indexer_topk_ref
 from kernels.kv_block_copy import copy_blocks
 from kernels.paged_decode_attention import paged_decode_attention

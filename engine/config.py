@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from engine.model.deepseek_v4_config import DeepseekV4Config
+from engine.model.config_fields import config_fields_from_dict
+from engine.model.deepseek_v4_config import COMPRESSED_KINDS, DeepseekV4Config
 
 LAYER_KINDS = (
     "full_attention",
@@ -21,7 +21,6 @@ LAYER_KINDS = (
     "heavily_compressed_attention",
     "linear_attention",
 )
-COMPRESSED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,8 +135,6 @@ class HybridConfig:
         """The V4 attention geometry of this model's CSA/HCA layers. V4 knows only its own three
         kinds, so the other layers appear as ``sliding_attention`` there (only CSA/HCA layers are
         built from it; the layer index stays the model's)."""
-        from engine.model.deepseek_v4_config import DeepseekV4Config
-
         return DeepseekV4Config(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -164,42 +161,6 @@ class HybridConfig:
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """Indices of the layers of one kind, in model order."""
         return tuple(i for i, k in enumerate(self.layer_types) if k == kind)
-
-
-HF_BOOKKEEPING_KEYS = frozenset({"architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"})
-"""config.json keys written by tools that carry no model information."""
-
-
-def config_fields_from_dict(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of dataclass ``cls`` found in ``raw`` (a config.json mapping).
-
-    Lists become tuples where the field is a tuple. Bookkeeping keys are ignored.
-
-    Raises:
-        ValueError: an unknown key, or a value of the wrong JSON type, naming the field.
-    """
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in HF_BOOKKEEPING_KEYS:
-            continue
-        if key not in fields:
-            raise ValueError(f"unknown field {key!r} for {cls.__name__}")
-        default = fields[key].default
-        if isinstance(default, tuple):
-            if not isinstance(value, list | tuple):
-                raise ValueError(f"field {key!r} must be a list, got {value!r:.60}")
-            value = tuple(value)
-        elif isinstance(default, bool) and not isinstance(value, bool):
-            raise ValueError(f"field {key!r} must be true or false, got {value!r:.60}")
-        elif isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"field {key!r} must be an integer, got {value!r:.60}")
-        elif isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise ValueError(f"field {key!r} must be a number, got {value!r:.60}")
-        elif isinstance(default, str) and not isinstance(value, str):
-            raise ValueError(f"field {key!r} must be a string, got {value!r:.60}")
-        out[key] = float(value) if isinstance(default, float) else value
-    return out
 
 
 def hybrid_config_from_dict(raw: Mapping[str, Any]) -> HybridConfig:

@@ -1,15 +1,15 @@
 """``engine.LLM``: the public entry point (shaped like vLLM's ``LLM``), DESIGN.md §4.
 
-Every request runs through the prefix cache: hash chain → lookup (L* and every form's verdict)
-→ leases → chunked prefill from L* (taking recurrent checkpoints at their boundaries) → decode →
-release. One ``cache_lookup`` event per (request, form) and one ``request`` event go to the
-telemetry sink. Requests run one at a time in this walking skeleton.
+Every request runs through the prefix cache by the steps of
+:class:`~engine.request_lifecycle.RequestLifecycle` (:attr:`LLM.lifecycle`): hash chain → lookup
+(L* and every form's verdict) → leases → chunked prefill from L* (taking recurrent checkpoints at
+their boundaries) → decode → release. One ``cache_lookup`` event per (request, form) and one
+``request`` event go to the telemetry sink. ``generate`` and ``score`` run requests one at a
+time; :class:`~engine.runtime.runtime.Runtime` runs many at once over the same lifecycle.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
 import os
 import socket
@@ -23,35 +23,21 @@ from torch import Tensor
 
 from engine.cache import CacheConfig, PrefixCache
 from engine.cache.admission import CostModel
-from engine.cache.prefix_cache import Admitted, StaleResume
-from engine.cache.sequence import PagedSequence
 from engine.cache.tiers import round_trip
 from engine.config import HybridConfig
-from engine.events import (
-    BlockAction,
-    BlockEvent,
-    CacheLookup,
-    EngineStats,
-    Form,
-    Reason,
-    RequestEvent,
-    Tier,
-)
+from engine.event_emitter import EventEmitter
+from engine.events import Tier
 from engine.faults import Faults
 from engine.loader import load_model
 from engine.model.base import ModelLayout
 from engine.model.kernel_backend import resolve_kernel_backend, set_kernel_backend
 from engine.outputs import CacheReport, RequestOutput, ScoreOutput
+from engine.request_lifecycle import RequestLifecycle, check_fits
+from engine.request_lifecycle import RequestTooLarge as RequestTooLarge
 from engine.sampling import Sampler, SamplingParams
 from engine.telemetry import EventSink, NullSink, TelemetryClient
 
 log = logging.getLogger(__name__)
-
-STATS_INTERVAL_SECONDS = 5.0
-
-
-class RequestTooLarge(ValueError):
-    """A request that cannot fit the cache pools as configured (raise the pool sizes)."""
 
 
 def default_engine_id() -> str:
@@ -152,7 +138,7 @@ class LLM:
             missing = [str(t) for t, on in self.cache.tiers.enabled.items() if on and t not in cost_model.tier_bytes_per_second]
             if missing:
                 raise ValueError(f"cost_model has no tier_bytes_per_second for the enabled {' and '.join(missing)} tier")
-        self._check_fits(prompt_tokens=1, max_tokens=0)
+        check_fits(self.cache, self.layout, prompt_tokens=1, max_tokens=0)
         self.cache.log_plan()
         self.sink: EventSink
         if telemetry is None:
@@ -161,7 +147,6 @@ class LLM:
             self.sink = TelemetryClient(telemetry, self.engine_id)
         else:
             self.sink = telemetry
-        self.check_invariants = check_invariants
         if faults is not None:
             self.cache.faults = faults
             if self.cache.tiers is not None:
@@ -170,15 +155,21 @@ class LLM:
                     self.cache.tiers.hold()
         self.cost_model = cost_model
         self._needs_costs = cost_model is None and (self.cache.tiers is not None or self.cache_config.tail_replay != "off")
+        self.events = EventEmitter(self.sink, self.engine_id, self.model_name, self.cache)
+        """Builds and sends this engine's telemetry events."""
         if block_events:
-            tokens_of: dict[str, tuple[Form, int]] = {}
-            for form, pool, _, _, tokens in self.cache.pool_entries():
-                pool.observer = functools.partial(self._emit_block, form, tokens, Tier.DEVICE)
-                tokens_of[pool.name] = (form, tokens)
-            if self.cache.tiers is not None:
-                self.cache.tiers.observer = lambda action, pool, h, tier: self._emit_block(*tokens_of[pool], tier, action, h, 0)
-        self._request_counter = itertools.count()
-        self._last_stats = 0.0
+            self.events.watch_blocks()
+        self.lifecycle = RequestLifecycle(
+            self.model, self.cache, self.events, engine_id=self.engine_id, device=self.device,
+            cost_model=self._costs, check_invariants=check_invariants,
+        )  # fmt: skip
+        """Every request's steps, from validation to its events (``generate``, ``score`` and the
+        serving runtime all go through it)."""
+
+    @property
+    def check_invariants(self) -> bool:
+        """Whether :meth:`PrefixCache.check_invariants` runs after every chunk (tests)."""
+        return self.lifecycle.check_invariants
 
     # -- public API ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -188,7 +179,7 @@ class LLM:
         Raises:
             ValueError: an empty prompt or a token id outside the vocabulary.
         """
-        ids = self._as_tensor(token_ids)
+        ids = self.lifecycle.as_tensor(token_ids)
         return self.model(ids, torch.arange(len(ids), device=self.device), self.model.new_dense_state())
 
     @torch.no_grad()
@@ -196,7 +187,7 @@ class LLM:
         """Run a prompt through the prefix cache like a normal request (no decode) and return the
         logits of the positions actually computed (L* … T−1; L* − R … T−1 after a Tail-Replay of
         R tokens, flagged ``approximate``)."""
-        rid = request_id or self._next_request_id()
+        rid = request_id or self.lifecycle.new_request_id()
         result = self._run(list(token_ids), SamplingParams(max_tokens=0), rid, keep_logits=True)
         assert result.logits is not None
         return ScoreOutput(request_id=rid, logits=result.logits, cache=result.report)
@@ -225,7 +216,7 @@ class LLM:
             raise ValueError(f"{len(request_ids)} request_ids for {len(batch)} prompts")
         outputs = []
         for i, ids in enumerate(batch):
-            rid = request_ids[i] if request_ids is not None else self._next_request_id()
+            rid = request_ids[i] if request_ids is not None else self.lifecycle.new_request_id()
             stream = (lambda token, i=i: on_token(i, token)) if on_token is not None else None
             r = self._run(ids, params, rid, keep_logits=False, on_token=stream)
             outputs.append(
@@ -247,7 +238,7 @@ class LLM:
         resumes lower, per ``CacheConfig.swap_in_wait``). Returns the bytes enqueued (0 without
         tiers or when nothing needs a swap-in)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._as_tensor(ids)
+        self.lifecycle.as_tensor(ids)
         return self.cache.prefetch(self.cache.block_hashes(ids), len(ids))
 
     def offload(self, tier: Tier | str = Tier.HOST, *, evict: bool = True) -> int:
@@ -273,7 +264,7 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- request execution -------------------------------------------------------------------------
+    # -- one request at a time ---------------------------------------------------------------------
     def _run(
         self,
         token_ids: list[int],
@@ -282,21 +273,19 @@ class LLM:
         keep_logits: bool,
         on_token: Callable[[int], None] | None = None,
     ) -> _RunResult:
+        """One request through :attr:`lifecycle`, alone: start, prefill, decode, release,
+        events (the runtime's :meth:`~engine.runtime.runtime.Runtime.step` is the batched one)."""
+        lifecycle = self.lifecycle
         arrival_wall = time.time()
         t0 = time.perf_counter()
-        self._as_tensor(token_ids)  # validates
-        self._check_fits(len(token_ids), params.max_tokens)
-        costs = self._costs()
-        t_admit = time.perf_counter()
-        admitted, seq = self._start_request(token_ids, params.max_tokens, costs)
-        plan = admitted.plan
+        lifecycle.validate(token_ids, params.max_tokens)
+        lease = lifecycle.start(token_ids, params.max_tokens)
         try:
-            epochs = self._epochs(seq, plan.resume_tokens)
             try:
-                logits = self._prefill(seq, keep_logits)
+                logits = lifecycle.prefill(lease, keep_logits)
             finally:
-                self.cache.finish_recovery(admitted)
-            actual = time.perf_counter() - t_admit
+                lifecycle.prefill_done(lease)
+            report = lifecycle.report(lease.record)
             last = logits[-1]
             sampler = Sampler(params)
             outputs: list[int] = []
@@ -310,180 +299,19 @@ class LLM:
                     on_token(token)
                 if token in params.stop_token_ids or len(outputs) == params.max_tokens:
                     break
-                last = self._decode_step(seq, token)
+                last = lifecycle.decode_step(lease.seq, token)
         finally:
-            seq.finish()
-            if self.check_invariants:
-                self.cache.check_invariants()
+            lifecycle.release(lease)
+            lifecycle.check_cache()
         e2e = time.perf_counter() - t0
-        report = self._report(admitted, actual)
-        self._emit_request(request_id, arrival_wall, report, len(outputs), ttft, e2e, epochs)
+        lifecycle.finish(request_id, arrival_wall, lease.record, report, len(outputs), ttft, e2e)
         return _RunResult(logits if keep_logits else None, last, outputs, report, ttft, e2e)
-
-    def _start_request(self, token_ids: list[int], max_tokens: int, costs: CostModel | None) -> tuple[Admitted, PagedSequence]:
-        """Admission and leases for one request: the plan, then :meth:`PrefixCache.start`; when an
-        object the plan relies on changed between the check and the lease, the plan is made
-        again with that form vetoed (``epoch_changed``). The caller owns the returned sequence
-        (``finish`` it) and the admission (``finish_recovery`` once its prefill is done)."""
-        hashes = self.cache.block_hashes(token_ids)
-        admitted = self.cache.admit(hashes, len(token_ids), costs, output_tokens=max_tokens)
-        if self.cache.faults.evict_between_check_and_use:
-            self.cache.inject_eviction(admitted.plan, hashes)
-        try:
-            return admitted, self.cache.start(admitted.plan, token_ids, hashes)
-        except StaleResume as stale:  # changed between check and use: recompute, say why
-            self.cache.finish_recovery(admitted)
-            admitted = self.cache.admit(hashes, len(token_ids), costs, output_tokens=max_tokens, vetoes={stale.form: Reason.EPOCH_CHANGED})
-            try:
-                return admitted, self.cache.start(admitted.plan, token_ids, hashes)
-            except BaseException:
-                self.cache.finish_recovery(admitted)
-                raise
-        except BaseException:
-            self.cache.finish_recovery(admitted)
-            raise
-
-    def _epochs(self, seq: PagedSequence, resume_tokens: int) -> dict[Form, int]:
-        """Each form's epoch at the plan's resume point L* (reported with its lookups)."""
-        return {f.form: self.cache.form_epoch(seq, f, resume_tokens) for f in self.cache.forms}
-
-    @staticmethod
-    def _report(admitted: Admitted, actual_seconds: float) -> CacheReport:
-        plan = admitted.plan
-        return CacheReport(
-            plan=plan,
-            admission=admitted.admission,
-            approximate=plan.replayed_tokens > 0,
-            replayed_tokens=plan.replayed_tokens,
-            predicted_seconds=admitted.predicted_seconds,
-            actual_seconds=actual_seconds,
-        )
-
-    def _prefill(self, seq: PagedSequence, keep_logits: bool) -> Tensor:
-        """Run ``[L*, T)`` in chunks of at most ``max_prefill_chunk_tokens`` that end at the
-        sequence's checkpoint positions; logits of the computed positions (or only the last
-        chunk's when ``keep_logits`` is False)."""
-        total = len(seq.token_ids)
-        start = seq.num_computed_tokens
-        pieces: list[Tensor] = []
-        while start < total:
-            end = min([total, start + self.cache_config.max_prefill_chunk_tokens, *(p for p in seq.checkpoint_positions if p > start)])
-            positions = seq.begin_chunk(end)
-            logits = self.model(self._ids(seq.token_ids[start:end]), positions, seq)
-            seq.commit(end, take_checkpoint=end in seq.checkpoint_positions)
-            if self.check_invariants:
-                self.cache.check_invariants()
-            pieces.append(logits if keep_logits else logits[-1:])
-            start = end
-        return torch.cat(pieces) if keep_logits else pieces[-1]
-
-    def _decode_step(self, seq: PagedSequence, token: int) -> Tensor:
-        seq.append_token(token)
-        end = len(seq.token_ids)
-        positions = seq.begin_chunk(end)
-        logits = self.model(self._ids([token]), positions, seq)
-        seq.commit(end, take_checkpoint=False)
-        return logits[-1]
-
-    # -- events --------------------------------------------------------------------------------
-    def _emit_request(
-        self,
-        request_id: str,
-        ts: float,
-        report: CacheReport,
-        output_tokens: int,
-        ttft: float,
-        e2e: float,
-        epochs: dict[Form, int],
-    ) -> None:
-        for f in report.forms:
-            self.sink.emit(
-                CacheLookup(
-                    ts=ts,
-                    engine_id=self.engine_id,
-                    request_id=request_id,
-                    model=self.model_name,
-                    form=f.form,
-                    tier=f.tier,
-                    outcome=f.outcome,
-                    reason=f.reason,
-                    hash_hit_tokens=report.hash_hit_tokens,
-                    usable_tokens=f.usable_tokens,
-                    recoverable_tokens=f.recoverable_tokens,
-                    replayed_tokens=f.replayed_tokens,
-                    approximate=f.replayed_tokens > 0,
-                    recovery_seconds=f.recovery_seconds,
-                    bytes_moved=f.bytes_moved,
-                    epoch=epochs.get(f.form, 0),
-                    ghost_tokens=f.ghost_tokens,
-                    ghost_bytes=f.ghost_bytes,
-                    spare_bytes=f.spare_bytes,
-                )
-            )
-        self.sink.emit(
-            RequestEvent(
-                ts=ts,
-                engine_id=self.engine_id,
-                request_id=request_id,
-                model=self.model_name,
-                prompt_tokens=report.prompt_tokens,
-                output_tokens=output_tokens,
-                hash_hit_tokens=report.hash_hit_tokens,
-                resume_tokens=report.resume_tokens,
-                recoverable_tokens=report.recoverable_tokens,
-                replayed_tokens=report.replayed_tokens,
-                recomputed_tokens=report.recomputed_tokens,
-                approximate=report.approximate,
-                limiting_form=report.limiting_form,
-                limiting_reason=report.limiting_reason,
-                admission=report.admission,
-                predicted_seconds=report.predicted_seconds,
-                actual_seconds=report.actual_seconds,
-                ttft_seconds=ttft,
-                e2e_seconds=e2e,
-            )
-        )
-        now = time.time()
-        if now - self._last_stats >= STATS_INTERVAL_SECONDS:
-            self._last_stats = now
-            self.emit_engine_stats(now)
-
-    def _emit_block(self, form: Form, num_tokens: int, tier: Tier, action: str, h: bytes, block: int) -> None:
-        self.sink.emit(
-            BlockEvent(
-                ts=time.time(),
-                engine_id=self.engine_id,
-                model=self.model_name,
-                form=form,
-                tier=tier,
-                action=BlockAction(action),
-                block_hash=h.hex(),
-                block_id=block,
-                num_tokens=num_tokens,
-            )
-        )
 
     def emit_engine_stats(self, ts: float | None = None) -> None:
         """One ``engine_stats`` event per form on the device with the pools' occupancy, and one
-        per (form, lower tier) holding objects (bytes and object counts)."""
-        ts = time.time() if ts is None else ts
-        in_flight = self.cache.recovery.in_flight
-        for occ in [*self.cache.occupancy(), *self.cache.tier_occupancy()]:
-            self.sink.emit(
-                EngineStats(
-                    ts=ts,
-                    engine_id=self.engine_id,
-                    model=self.model_name,
-                    form=occ.form,
-                    tier=occ.tier,
-                    used_bytes=occ.used_bytes,
-                    used_blocks=occ.used_blocks,
-                    cached_blocks=occ.cached_blocks,
-                    free_blocks=occ.free_blocks,
-                    total_blocks=occ.total_blocks,
-                    recoveries_in_flight=in_flight,
-                )
-            )
+        per (form, lower tier) holding objects (:meth:`EventEmitter.engine_stats`; ``ts`` in
+        wall-clock seconds, default now)."""
+        self.events.engine_stats(ts)
 
     # -- helpers ---------------------------------------------------------------------------------
     def calibrate(self) -> CostModel:
@@ -509,42 +337,6 @@ class LLM:
             self.cost_model = CostModel.measure(prefill, where, round_trip)
             log.info("admission cost model: %s", self.cost_model)
         return self.cost_model
-
-    def _next_request_id(self) -> str:
-        return f"{self.engine_id}-{next(self._request_counter)}"
-
-    def _ids(self, token_ids: Sequence[int]) -> Tensor:
-        return torch.tensor(token_ids, dtype=torch.long, device=self.device)
-
-    def _as_tensor(self, token_ids: Sequence[int]) -> Tensor:
-        if len(token_ids) == 0:
-            raise ValueError("empty prompt: at least one token is needed")
-        ids = self._ids(token_ids)
-        bad = ((ids < 0) | (ids >= self.layout.vocab_size)).nonzero()
-        if len(bad):
-            i = int(bad[0].item())
-            raise ValueError(f"token id {token_ids[i]} at position {i} is outside the vocabulary [0, {self.layout.vocab_size})")
-        return ids
-
-    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        c = self.cache_config
-        pages = -(-(prompt_tokens + max_tokens) // c.unit_tokens)
-        if "full_attention" in self.layout.layer_types and pages > c.full_kv_blocks - 1:
-            raise RequestTooLarge(
-                f"a request of {prompt_tokens} prompt + {max_tokens} output tokens needs {pages} full_kv "
-                f"pages; the pool has {c.full_kv_blocks - 1} (raise {self._size_knob('CacheConfig.full_kv_blocks')})"
-            )
-        window = self.layout.sliding_window
-        window_pages = self.cache.window_pages_needed(window, max_tokens) if window is not None else 0
-        if window_pages > c.swa_blocks - 1:
-            raise RequestTooLarge(
-                f"a request generating {max_tokens} tokens may hold {window_pages} swa_window pages; "
-                f"the pool has {c.swa_blocks - 1} (raise {self._size_knob('CacheConfig.swa_blocks')})"
-            )
-
-    def _size_knob(self, field: str) -> str:
-        """The setting that sizes a pool: its own field, or the budget when a memory plan sized it."""
-        return "CacheConfig.memory_bytes" if self.cache_config.memory_bytes is not None else field
 
     def _normalise_prompts(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
         if isinstance(prompts, str):

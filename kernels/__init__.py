@@ -19,6 +19,8 @@
 
 * :mod:`kernels.gated_delta_rule` — Gated DeltaNet's chunked prefill and fused recurrent forms
   on a varlen batch (state in and out, in place optionally) and the causal conv's decode step.
+  Their plain-torch forms, which the engine's torch path runs, are in
+  :mod:`kernels.gated_delta_rule_torch` (no Triton import).
 
 :mod:`kernels.launch` says when the launchers skip their host reads of device values (while a
 CUDA graph is captured, and in the runs the serving runtime's model runner makes as a capture

@@ -3,8 +3,9 @@ prefill form and its fused recurrent decode form, for a variable-length batch, w
 in and final state out; and the short causal conv update that feeds it during decode.
 
 What is computed (Yang, Kautz and Hatamizadeh, "Gated Delta Networks", ICLR 2025; as
-flash-linear-attention's ``fused_recurrent_gated_delta_rule``; the engine's torch path is
-:func:`engine.model.gated_deltanet.gated_delta_rule`), per sequence and head, token by token::
+flash-linear-attention's ``fused_recurrent_gated_delta_rule``; the plain-torch form, the
+engine's torch path, is :func:`kernels.gated_delta_rule_torch.gated_delta_rule`), per sequence
+and head, token by token::
 
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,   o_t = S_t^T q_t / sqrt(D_k)
 
@@ -17,8 +18,8 @@ the sequence; no autotuning (with ``inplace=True`` it writes the state it read).
 :func:`chunk_gated_delta_rule` computes the same outputs and state a chunk of ``BT`` tokens at a
 time with matrix products (Yang et al., "Parallelizing Linear Transformers with the Delta Rule
 over Sequence Length", NeurIPS 2024, the WY / UT-transform form, with Gated DeltaNet's decay; as
-flash-linear-attention's ``chunk_gated_delta_rule``; the engine's torch path is
-:func:`engine.model.gated_deltanet.chunk_gated_delta_rule`). Within a chunk with start state
+flash-linear-attention's ``chunk_gated_delta_rule``; the torch form is
+:func:`kernels.gated_delta_rule_torch.chunk_gated_delta_rule`). Within a chunk with start state
 ``S_0`` and cumulative log-decay ``G_t = sum_{s<=t} g_s``::
 
     A[t, s] = beta_t exp(G_t - G_s) k_t . k_s   (s < t),      X = (I + A)^-1   (forward substitution)
@@ -31,8 +32,8 @@ with the state tile in registers (the chunk's ``X`` is recomputed per tile: it d
 
 :func:`causal_conv1d_update` is the decode step of the depthwise causal conv with SiLU in front
 of the rule: ``y = silu(sum_j w[:, j] * window_j)`` over the ``K - 1`` saved inputs and the new
-one, whose window then shifts by one (the engine's :func:`engine.model.gated_deltanet.causal_conv1d`
-for one token).
+one, whose window then shifts by one (:func:`kernels.gated_delta_rule_torch.causal_conv1d` for
+one token).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gated_delta_rule_torch import gated_delta_rule as torch_gated_delta_rule
 from kernels.launch import graph_safe, on_tensor_device
 
 BLOCK_V = 32
@@ -206,15 +208,13 @@ def fused_recurrent_gated_delta_rule_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The plain-torch fp32 reference of both forms: the engine's recurrent rule, one sequence
-    at a time."""
-    from engine.model.gated_deltanet import gated_delta_rule
-
+    """The plain-torch fp32 reference of both forms:
+    :func:`kernels.gated_delta_rule_torch.gated_delta_rule`, one sequence at a time."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     outs, finals = [], []
     for i in range(cu_seqlens.numel() - 1):
         a, b = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
-        o, s = gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], initial_state[i])
+        o, s = torch_gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], initial_state[i])
         outs.append(o)
         finals.append(s)
     return torch.cat(outs), torch.stack(finals)

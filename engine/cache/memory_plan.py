@@ -27,27 +27,19 @@ import math
 from dataclasses import dataclass
 
 from engine.cache.config import CacheConfig
+from engine.cache.form_spec import PoolKind
 from engine.events import Form
-
-POOL_FIELDS = (
-    "full_kv_blocks",
-    "swa_blocks",
-    "compressed_blocks",
-    "tail_slots",
-    "linear_checkpoints",
-)
-"""The CacheConfig fields that size pools (every entry-page pool shares ``compressed_blocks``;
-the tail and indexer pending-row slot pools share ``tail_slots``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PoolPlan:
-    """One pool: its blocks (sentinel excluded), bytes per block, how many tokens of a prefix one
-    block holds, and the blocks reserved as headroom for running requests."""
+    """One pool: what its blocks hold (``kind``, which names the ``CacheConfig`` count sizing
+    it), its blocks (sentinel excluded), bytes per block, how many tokens of a prefix one block
+    holds, and the blocks reserved as headroom for running requests."""
 
     name: str
     form: Form
-    config_field: str
+    kind: PoolKind
     blocks: int
     bytes_per_block: int
     tokens_per_block: int
@@ -100,12 +92,20 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def headroom(field: str, window_pages: int) -> int:
-    """Blocks of a pool sized by config ``field`` that one running request may hold beyond what
-    it caches (see module docstring)."""
-    if field == "swa_blocks":
+def window_pages_needed(config: CacheConfig, window_tokens: int, max_tokens: int) -> int:
+    """Most pages one request can hold in a window pool of ``window_tokens``: the window behind
+    its last checkpoint (up to one interval back), one prefill chunk, and its ``max_tokens``
+    decoded tokens."""
+    span = window_tokens + config.max_prefill_chunk_tokens + config.checkpoint_interval_tokens + max_tokens
+    return -(-span // config.unit_tokens) + 2
+
+
+def headroom(kind: PoolKind, window_pages: int) -> int:
+    """Blocks of a pool of ``kind`` that one running request may hold beyond what it caches
+    (see module docstring)."""
+    if kind is PoolKind.WINDOW_PAGE:
         return window_pages
-    if field in ("full_kv_blocks", "compressed_blocks"):
+    if kind in (PoolKind.KV_PAGE, PoolKind.ENTRY_PAGE):
         return 0  # a running request's pages are the prefix it caches
     return 1
 
@@ -137,33 +137,34 @@ def capacity_tokens(pools: list[PoolPlan], budget_bytes: int) -> int:
 
 
 def sized_config(config: CacheConfig, pools: list[PoolPlan]) -> tuple[CacheConfig, int]:
-    """``config`` with every pool's block count derived from ``config.memory_bytes``. Pools
-    sized by one config field (e.g. every compressed entry-page pool) get the same count, the
-    largest any of them needs, and are budgeted as such. Returns the new config and C.
+    """``config`` with every pool's block count derived from ``config.memory_bytes``. Pools of
+    one :class:`PoolKind` (e.g. every compressed entry-page pool) share one config count: they
+    get the same, the largest any of them needs, and are budgeted as such. Returns the new
+    config and C.
 
     Raises:
         ValueError: ``config.memory_bytes`` is unset or too small for the headroom.
     """
     if config.memory_bytes is None:
         raise ValueError("sized_config needs CacheConfig.memory_bytes")
-    by_field: dict[str, list[PoolPlan]] = {}
+    by_kind: dict[PoolKind, list[PoolPlan]] = {}
     for p in pools:
-        by_field.setdefault(p.config_field, []).append(p)
+        by_kind.setdefault(p.kind, []).append(p)
     merged = [
         PoolPlan(
-            name=field,
+            name=kind.config_field,
             form=members[0].form,
-            config_field=field,
+            kind=kind,
             blocks=0,
             bytes_per_block=sum(p.bytes_per_block for p in members),
             tokens_per_block=min(p.tokens_per_block for p in members),
             headroom_blocks=max(p.headroom_blocks for p in members),
         )
-        for field, members in by_field.items()
+        for kind, members in by_kind.items()
     ]
     tokens = capacity_tokens(merged, config.memory_bytes)
     counts = {
-        m.name: math.ceil(tokens / m.tokens_per_block) + m.headroom_blocks + 1  # + the sentinel
+        m.kind.config_field: math.ceil(tokens / m.tokens_per_block) + m.headroom_blocks + 1  # + the sentinel
         for m in merged
     }
     fields: dict[str, object] = {**dataclasses.asdict(config), **counts}

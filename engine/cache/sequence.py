@@ -2,9 +2,9 @@
 
 Life of a request (all on one thread; the runtime issue adds batching):
 
-1. :meth:`PrefixCache.start` leases every object the plan reuses — pages of every KV form and
-   the checkpoint at L* — *before* any allocation for the request (red line 3, case C8), then
-   copies the checkpoint into the request's working recurrent state.
+1. :meth:`Leases.start` (``PrefixCache.start``) leases every object the plan reuses — pages of
+   every KV form and the checkpoint at L* — *before* any allocation for the request (red line
+   3, case C8), then copies the checkpoint into the request's working recurrent state.
 2. For each chunk ``[start, end)``: :meth:`begin_chunk` allocates the pages the chunk writes;
    the layers call :meth:`attention_kv` / :meth:`linear`; :meth:`commit` publishes the pages
    the chunk completed, takes a recurrent checkpoint when ``end`` is a checkpoint position, and
@@ -22,14 +22,15 @@ decodes.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import MutableSet, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from engine.cache.block_pool import SENTINEL_BLOCK, BlockPool
+from engine.cache.checkpoint_writer import CheckpointWriter
+from engine.cache.form_set import FormSet
 from engine.cache.forms import PagedKVForm, gather_pages
 from engine.cache.hashing import BlockHash, chain_hashes
 from engine.model.state import (
@@ -44,9 +45,6 @@ _SERIALS = itertools.count()
 
 WINDOW_TAIL_PRIORITY = 1
 """Eviction priority of the window pages behind a request's last resume boundary."""
-
-if TYPE_CHECKING:
-    from engine.cache.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True)
@@ -64,33 +62,46 @@ class _ChunkPages:
 
 
 class PagedSequence:
-    """Implements :class:`~engine.model.state.SequenceState` over the cache pools."""
+    """Implements :class:`~engine.model.state.SequenceState` over the cache pools.
+
+    Args:
+        form_set: the forms whose pools it allocates from and publishes into.
+        writer: stores its entry pages at commits and its checkpoints.
+        running: the started, unfinished requests; the sequence leaves it when it finishes.
+        token_ids, hashes: the prompt and the hashes of its full blocks.
+        resume_tokens: where computation starts (its leases up to there are taken by the caller).
+        checkpoint_positions: where it stores checkpoints (prefill chunks end there).
+    """
 
     def __init__(
         self,
-        cache: PrefixCache,
+        form_set: FormSet,
+        writer: CheckpointWriter,
+        running: MutableSet[PagedSequence],
         token_ids: Sequence[int],
         hashes: Sequence[BlockHash],
         resume_tokens: int,
         checkpoint_positions: frozenset[int],
     ) -> None:
-        self.cache = cache
+        self.form_set = form_set
+        self.writer = writer
+        self.running = running
         self.serial = next(_SERIALS)
         """Unique per sequence for the life of the process (names its eviction groups)."""
         self.token_ids = list(token_ids)
         self.hashes = list(hashes)
-        self.unit_tokens = cache.unit_tokens
+        self.unit_tokens = form_set.unit_tokens
         self.num_computed_tokens = resume_tokens
         self.last_checkpoint_tokens = resume_tokens
-        self.tables: dict[PagedKVForm, list[int]] = {f: [] for f in cache.kv_forms}
+        self.tables: dict[PagedKVForm, list[int]] = {f: [] for f in form_set.kv_forms}
         self.published_pages = resume_tokens // self.unit_tokens
-        self.released_pages: dict[PagedKVForm, int] = {f: 0 for f in cache.kv_forms}
+        self.released_pages: dict[PagedKVForm, int] = {f: 0 for f in form_set.kv_forms}
         self.linear_states: dict[int, LinearLayerState] = {}
         self.compressed_states: dict[int, CompressedLayerState] = {}
         """The request's own copy of every CSA/HCA layer's state (restored from the compressed
         forms at L*; what it adds is stored back at each commit and checkpoint)."""
-        self.entry_tables: list[list[int]] = [[] for _ in cache.entry_groups()]
-        """Per entry-page group of the cache: the blocks of this prefix's compressed entry pages
+        self.entry_tables: list[list[int]] = [[] for _ in form_set.entry_groups()]
+        """Per entry-page group of the form set: the blocks of this prefix's compressed entry pages
         the request holds leased, in page order (restored at L*, then stored at commits)."""
         self.checkpoint_positions = checkpoint_positions
         """Where this request stores recurrent checkpoints (prefill chunks end there)."""
@@ -114,7 +125,7 @@ class PagedSequence:
     # -- SequenceState --------------------------------------------------------------------------
     def attention_kv(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> AttentionKV:
         plan = self._write_chunk(layer, positions, keys, values)
-        kv, slot = self.cache.kv_form_of_layer[layer].layer_slot[layer]
+        kv, slot = self.form_set.kv_form_of_layer[layer].layer_slot[layer]
         k, v = gather_pages(kv, plan.read_pages, slot, plan.read_first, plan.read_tokens)
         return AttentionKV(k.to(keys.dtype), v.to(values.dtype), plan.read_positions)
 
@@ -122,7 +133,7 @@ class PagedSequence:
         """Write the chunk's keys and values into the layer's pages (the slot mapping)."""
         if positions is not self._chunk_positions:
             raise RuntimeError("attention_kv called with positions other than the current chunk's")
-        form = self.cache.kv_form_of_layer[layer]
+        form = self.form_set.kv_form_of_layer[layer]
         plan = self._chunk[form]
         kv, slot = form.layer_slot[layer]
         kv[plan.write_pages, slot, 0, plan.write_offsets] = keys.to(kv.dtype)
@@ -131,7 +142,7 @@ class PagedSequence:
 
     def attention_pages(self, layer: int, positions: Tensor, keys: Tensor, values: Tensor) -> AttentionPages:
         plan = self._write_chunk(layer, positions, keys, values)
-        kv, slot = self.cache.kv_form_of_layer[layer].layer_slot[layer]
+        kv, slot = self.form_set.kv_form_of_layer[layer].layer_slot[layer]
         return AttentionPages(kv[:, slot, 0], kv[:, slot, 1], plan.block_table, plan.end)
 
     def linear(self, layer: int) -> LinearLayerState:
@@ -139,7 +150,7 @@ class PagedSequence:
 
     def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
         """The state of a CSA/HCA layer: restored from the compressed forms at L* by
-        :meth:`PrefixCache.start`, or created empty on first use at L* = 0.
+        :meth:`Leases.start`, or created empty on first use at L* = 0.
 
         Raises:
             RuntimeError: no state for this layer although the request resumed at L* > 0.
@@ -149,7 +160,7 @@ class PagedSequence:
         if state is None:
             if self.num_computed_tokens:
                 raise RuntimeError(f"layer {layer}: resumed at {self.num_computed_tokens} tokens without its compressed state")
-            state = self.compressed_states[layer] = CompressedLayerState.empty(spec, self.cache.device)
+            state = self.compressed_states[layer] = CompressedLayerState.empty(spec, self.form_set.device)
         elif state.spec != spec:
             raise ValueError(f"layer {layer}: compressed state built for {state.spec}, asked for {spec}")
         return state
@@ -167,7 +178,7 @@ class PagedSequence:
         if not start < end <= len(self.token_ids):
             raise RuntimeError(f"chunk [{start}, {end}) outside the sequence of {len(self.token_ids)} tokens")
         u = self.unit_tokens
-        device = self.cache.device
+        device = self.form_set.device
         positions = torch.arange(start, end, device=device)
         last_page = (end - 1) // u
         for form, table in self.tables.items():
@@ -200,19 +211,19 @@ class PagedSequence:
         u = self.unit_tokens
         full_pages = end // u
         if full_pages > len(self.hashes):
-            parent = self.hashes[-1] if self.hashes else self.cache.root
+            parent = self.hashes[-1] if self.hashes else self.form_set.root
             self.hashes.extend(chain_hashes(parent, self.token_ids[len(self.hashes) * u : full_pages * u], u))
-        if self.cache.config.enable_prefix_caching and not self.approximate:
+        if self.form_set.config.enable_prefix_caching and not self.approximate:
             for page in range(self.published_pages, full_pages):
                 for form, table in self.tables.items():
                     if table[page] != SENTINEL_BLOCK and self._page_backs_a_resume_point(form, page):
                         form.pool.publish(table[page], self.hashes[page])
             if self.compressed_states:
-                self.cache.store_entries(self.hashes, self.compressed_states, self.entry_tables)
+                self.writer.store_entries(self.hashes, self.compressed_states, self.entry_tables)
             if (
                 take_checkpoint
                 and end % u == 0
-                and self.cache.save_checkpoint(self.hashes, end, self.linear_states, self.compressed_states)
+                and self.writer.save_checkpoint(self.hashes, end, self.linear_states, self.compressed_states)
             ):
                 self.last_checkpoint_tokens = end
         self.published_pages = max(self.published_pages, full_pages)
@@ -227,7 +238,7 @@ class PagedSequence:
         layers a resume point needs a checkpoint, so a window page is worth publishing only if it
         lies in the window before one of this request's checkpoint positions (case C12). A page
         that backs nothing is returned unpublished and reused first."""
-        if form.window is None or not self.cache.has_checkpoint_forms:
+        if form.window is None or not self.form_set.has_checkpoint_forms:
             return True
         return any(form.needed_pages(c).start <= page < c // self.unit_tokens for c in self.checkpoint_positions)
 
@@ -235,9 +246,9 @@ class PagedSequence:
         """The latest position at which a future request could resume on this request's state:
         the last stored recurrent checkpoint when the model has linear layers, else the last U
         boundary; with prefix caching off, nothing is kept for later (the current position)."""
-        if not self.cache.config.enable_prefix_caching or self.approximate:
+        if not self.form_set.config.enable_prefix_caching or self.approximate:
             return self.num_computed_tokens
-        if not self.cache.has_checkpoint_forms:
+        if not self.form_set.has_checkpoint_forms:
             return self.num_computed_tokens - self.num_computed_tokens % self.unit_tokens
         return min(self.last_checkpoint_tokens, self.num_computed_tokens)
 
@@ -266,7 +277,7 @@ class PagedSequence:
         if self.finished:
             return
         self.finished = True
-        self.cache.running.discard(self)
+        self.running.discard(self)
         anchor = self.resume_anchor()
         anchor_page = anchor // self.unit_tokens
         for form, table in self.tables.items():
@@ -291,7 +302,7 @@ class PagedSequence:
         for pool, block in reversed(self.pinned):
             pool.release(block)
         self.pinned.clear()
-        for pages, table in zip(self.cache.entry_groups(), self.entry_tables, strict=True):
+        for pages, table in zip(self.form_set.entry_groups(), self.entry_tables, strict=True):
             for block in reversed(table):  # tail first: a prefix outlives its tail
                 pages.pool.release(block)
             table.clear()

@@ -18,7 +18,9 @@ What the mixers see instead of a :class:`~engine.model.state.SequenceState`:
   row's :class:`~engine.model.state.SequenceState`, zeros for padding rows.
 
 The math is the per-sequence path's (:mod:`engine.model.attention`,
-:mod:`engine.model.gated_deltanet`), one token per row, in torch or through the kernels.
+:mod:`engine.model.gated_deltanet`, the rule's step
+:func:`kernels.gated_delta_rule_torch.delta_rule_step`), one token per row, in torch or through
+the kernels.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from kernels.gated_delta_rule_torch import delta_rule_step
 from kernels.launch import graph_safe
 
 if TYPE_CHECKING:
@@ -172,9 +175,6 @@ def delta_rule_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         recurrent[slot_ids] = final
         return o.float()
     q32 = q.float() / math.sqrt(q.shape[-1])
-    k32, v32 = k.float(), v.float()
-    state = state * g.float().exp()[..., None, None]
-    delta = (v32 - torch.einsum("bhk,bhkv->bhv", k32, state)) * beta.float()[..., None]
-    state = state + k32[..., :, None] * delta[..., None, :]
+    o, state = delta_rule_step(q32, k.float(), v.float(), g.float().exp(), beta.float(), state)
     recurrent[slot_ids] = state
-    return torch.einsum("bhk,bhkv->bhv", q32, state)
+    return o

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import config_fields_from_dict
+from engine.model.config_fields import config_fields_from_dict
 
 DEEPSEEK_V4_LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 COMPRESSED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")

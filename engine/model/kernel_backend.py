@@ -12,7 +12,8 @@ conv, compressor pooling, indexer top-k and routed experts run on.
 The layers are the same modules for both (a switch, not a copy of the model): each mixer keeps a
 ``kernel_backend`` attribute that :func:`set_kernel_backend` sets, and calls the functions here
 when it is ``"triton"``. The math each kernel implements, with its source, is in its module's
-docstring.
+docstring. The kernel modules are imported at the first call, not with the engine: importing
+them loads Triton, which reads ``TRITON_INTERPRET`` then.
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ import torch
 from torch import Tensor, nn
 
 from engine.model.state import AttentionPages, LinearLayerState
+from kernels.gated_delta_rule_torch import causal_conv1d as torch_causal_conv1d
 
 log = logging.getLogger(__name__)
 
 KernelBackend = Literal["torch", "triton"]
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+CHUNKED_MIN_TOKENS = 32
+"""A chunk of at least this many tokens takes the gated delta rule's chunked form, a shorter one
+(decode) the recurrent form: on both backends."""
 
 
 def resolve_kernel_backend(requested: str, device: torch.device, page_tokens: int) -> KernelBackend:
@@ -121,14 +127,12 @@ def gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
 ) -> tuple[Tensor, Tensor]:
     """One sequence's gated delta rule through the kernels: the chunked form for
-    ``CHUNKED_MIN_TOKENS`` tokens or more (the torch path's threshold), the fused recurrent form
-    below.
+    :data:`CHUNKED_MIN_TOKENS` tokens or more, the fused recurrent form below.
 
-    Args and returns as :func:`engine.model.gated_deltanet.gated_delta_rule`: ``q, k [T, H, D_k]``
+    Args and returns as :func:`kernels.gated_delta_rule_torch.gated_delta_rule`: ``q, k [T, H, D_k]``
     (L2-normalised), ``v [T, H, D_v]``, ``g, beta [T, H]``, ``state [H, D_k, D_v]`` (not
     modified) → ``(o [T, H, D_v] float32, final_state [H, D_k, D_v] float32)``.
     """
-    from engine.model.gated_deltanet import CHUNKED_MIN_TOKENS
     from kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     rule = (
@@ -148,11 +152,10 @@ def causal_conv1d(x: Tensor, weight: Tensor, layer_state: LinearLayerState) -> T
     [C, K − 1]`` (replaced by the new window): one token through
     :func:`kernels.gated_delta_rule.causal_conv1d_update` on a copy of the state; a longer chunk
     through the torch conv (the issue's kernel set has only the decode step). Returns ``[T, C]``."""
-    from engine.model.gated_deltanet import causal_conv1d as torch_conv
     from kernels.gated_delta_rule import causal_conv1d_update
 
     if x.shape[0] != 1:
-        y, layer_state.conv = torch_conv(x, weight, layer_state.conv)
+        y, layer_state.conv = torch_causal_conv1d(x, weight, layer_state.conv)
         return y
     conv = layer_state.conv.to(x.dtype).clone()[None]  # the checkpoint's tensors are never written
     y = causal_conv1d_update(x, weight.contiguous(), conv)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import HF_BOOKKEEPING_KEYS, config_fields_from_dict
+from engine.model.config_fields import HF_BOOKKEEPING_KEYS, config_fields_from_dict
 
 MODEL_TYPE = "qwen3_next"
 LAYER_KINDS = ("linear_attention", "full_attention")

@@ -13,17 +13,11 @@ from torch import Tensor, nn
 
 from engine.model import kernel_backend as kb
 from engine.model.attention import attention_mask
-from engine.model.decode_batch import DecodeBatch, conv_decode, delta_rule_decode, paged_decode
-from engine.model.gated_deltanet import (
-    CHUNKED_MIN_TOKENS,
-    causal_conv1d,
-    chunk_gated_delta_rule,
-    gated_delta_rule,
-    l2norm,
-)
+from engine.model.decode_batch import DecodeBatch, paged_decode
+from engine.model.gated_deltanet import GatedDeltaNetBase, gated_rms_norm
 from engine.model.layers import apply_rotary
 from engine.model.qwen3_next_config import Qwen3NextConfig
-from engine.model.state import LinearLayerState, SequenceState
+from engine.model.state import SequenceState
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -43,9 +37,9 @@ class ZeroCentredRMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """The output norm of Gated DeltaNet: ``y = x / sqrt(mean(x²) + eps) · w · silu(z)``, per
-    value head, in float32. x and z are ``[..., D_v]``; ``weight [D_v]`` starts at ones (a plain
-    weight, not zero-centred)."""
+    """The output norm of Gated DeltaNet, :func:`~engine.model.gated_deltanet.gated_rms_norm`,
+    holding its ``weight [D_v]`` (starts at ones: a plain weight, not zero-centred). x and z are
+    ``[..., D_v]``."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -53,9 +47,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float() * nn.functional.silu(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 def apply_partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -123,37 +115,19 @@ class Qwen3NextAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.num_heads * d)))
 
 
-class Qwen3NextGatedDeltaNet(nn.Module):
-    """``linear_attention``: Gated DeltaNet (Yang, Kautz & Hatamizadeh, ICLR 2025) with
-    Qwen3-Next's fused input projections.
+class Qwen3NextGatedDeltaNet(GatedDeltaNetBase):
+    """``linear_attention``: Gated DeltaNet (:class:`~engine.model.gated_deltanet.GatedDeltaNetBase`,
+    whose docstring has the math and the state) with Qwen3-Next's fused input projections.
 
     ``in_proj_qkvz`` is laid out per key head: for each of the H_k groups, ``[q (D_k), k (D_k),
     v (r·D_v), z (r·D_v)]``; ``in_proj_ba`` likewise ``[b (r), a (r)]``. Value head ``j·r + i``
-    belongs to key head j, so q and k are repeated ``r`` times per head (``repeat_interleave``).
-    Then: causal depthwise conv + SiLU over ``[q, k, v]`` (``conv1d.weight [C_conv, 1, K]``;
-    only the weight is used, the conv continues from the state), L2-normalised q and k,
-    ``β = sigmoid(b)``, ``g = −exp(A_log) · softplus(a + dt_bias)``, the gated delta rule, the
-    gated RMSNorm with ``silu(z)`` and ``out_proj``.
-
-    State (:class:`LinearLayerState`): conv ``[C_conv, K − 1]`` with ``C_conv = 2·H_k·D_k + H_v·D_v``
-    and recurrent ``[H_v, D_k, D_v]`` (transformers keeps ``[B, H_v, D_k, D_v]``); both are
-    replaced after each chunk. forward: ``x [T, C]`` → ``[T, C]``.
+    belongs to key head j. ``conv1d.weight [C_conv, 1, K]`` is the conv kernel (only the weight
+    is used: the conv continues from the state); ``norm`` is the gated RMSNorm with ``silu(z)``.
+    forward: ``x [T, C]`` → ``[T, C]``.
     """
 
-    kernel_backend: kb.KernelBackend = "torch"
-
     def __init__(self, config: Qwen3NextConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
-        self.head_k_dim = config.linear_key_head_dim
-        self.head_v_dim = config.linear_value_head_dim
-        self.heads_per_key = self.num_v_heads // self.num_k_heads
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.conv_kernel = config.linear_conv_kernel_dim
+        super().__init__(config, layer)
         c = config.hidden_size
         self.in_proj_qkvz = nn.Linear(c, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(c, 2 * self.num_v_heads, bias=False)
@@ -164,14 +138,6 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, c, bias=False)
-
-    @property
-    def conv_state_shape(self) -> tuple[int, int]:
-        return (self.conv_dim, self.conv_kernel - 1)
-
-    @property
-    def recurrent_state_shape(self) -> tuple[int, int, int]:
-        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
     def _unpack_projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """q, k ``[T, H_k·D_k]``, v ``[T, H_v·D_v]``, z ``[T, H_v, D_v]``, b, a ``[T, H_v]`` from the
@@ -191,34 +157,6 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         )
 
     def forward(self, x: Tensor, state: SequenceState | DecodeBatch) -> Tensor:
-        t = x.shape[0]
-        batch = state if isinstance(state, DecodeBatch) else None
-        layer_state: LinearLayerState = state.linear(self.layer) if not isinstance(state, DecodeBatch) else None  # type: ignore[assignment]
         q, k, v, z, b, a = self._unpack_projections(x)
-        triton = self.kernel_backend == "triton"
-        if batch is not None:  # one token per row, state in the static decode slots
-            weight = self.conv1d.weight[:, 0, :]
-            mixed = conv_decode(torch.cat((q, k, v), dim=-1), weight, batch.linear(self.layer)[0], batch.slot_ids, backend=self.kernel_backend)
-        elif triton:
-            mixed = kb.causal_conv1d(torch.cat((q, k, v), dim=-1), self.conv1d.weight[:, 0, :], layer_state)
-        else:
-            mixed, layer_state.conv = causal_conv1d(torch.cat((q, k, v), dim=-1), self.conv1d.weight[:, 0, :], layer_state.conv)
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
-        if self.heads_per_key > 1:
-            q = q.repeat_interleave(self.heads_per_key, dim=1)
-            k = k.repeat_interleave(self.heads_per_key, dim=1)
-        q, k = l2norm(q.float()), l2norm(k.float())
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias.float())
-        if batch is not None:
-            o = delta_rule_decode(q, k, v, g, beta, batch.linear(self.layer)[1], batch.slot_ids, backend=self.kernel_backend)
-        elif triton:
-            o, layer_state.recurrent = kb.gated_delta_rule(q, k, v, g, beta, layer_state.recurrent)
-        else:
-            rule = chunk_gated_delta_rule if t >= CHUNKED_MIN_TOKENS else gated_delta_rule
-            o, layer_state.recurrent = rule(q, k, v, g, beta, layer_state.recurrent)
-        o = self.norm(o, z)
-        return self.out_proj(o.reshape(t, self.value_dim).to(x.dtype))
+        o = self.gated_delta(torch.cat((q, k, v), dim=-1), a, b, self.conv1d.weight[:, 0, :], state)
+        return self.out_proj(self.norm(o, z).reshape(x.shape[0], self.value_dim).to(x.dtype))

@@ -17,7 +17,8 @@ import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from engine.runtime.runtime import Runtime, RuntimeRequest
+from engine.runtime.request import RuntimeRequest
+from engine.runtime.runtime import Runtime
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

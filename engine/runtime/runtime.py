@@ -4,8 +4,8 @@ Each :meth:`Runtime.step`:
 
 1. asks the :class:`~engine.runtime.scheduler.Scheduler` for the running requests' decode tokens
    and prefill chunks within the token budget, then admits waiting requests (prefix-cache lookup,
-   admission pricing and leases, as :class:`~engine.llm.LLM` does for one request) while budget
-   and ``max_num_seqs`` allow;
+   admission pricing and leases: :meth:`~engine.request_lifecycle.RequestLifecycle.start`, as
+   :class:`~engine.llm.LLM` does for one request) while budget and ``max_num_seqs`` allow;
 2. allocates every chunk's pages (``PagedSequence.begin_chunk``); when a pool has nothing left to
    evict, the newest running request is **preempted by recompute** (its leases released, its
    published pages left in the cache; it waits again, first in its session, and resumes from
@@ -27,106 +27,30 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 
 import torch
 from torch import Tensor
 
 from engine.cache.block_pool import SENTINEL_BLOCK, PoolExhausted
 from engine.cache.forms import PagedKVForm
-from engine.cache.prefix_cache import Admitted
-from engine.cache.sequence import PagedSequence
-from engine.events import Form
 from engine.llm import LLM
 from engine.model.state import PackedStates
-from engine.outputs import CacheReport, RequestOutput
+from engine.outputs import RequestOutput
 from engine.runtime.model_runner import DecodeRunner, supports_static_decode
+from engine.runtime.request import FinishReason, RuntimeRequest
 from engine.runtime.scheduler import Scheduler, SchedulerConfig
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class FinishReason(StrEnum):
-    """Why a request ended (OpenAI's ``finish_reason`` values, plus ``abort``)."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-
-
-@dataclass(eq=False)
-class RuntimeRequest:
-    """One request in the runtime: its prompt, what it produced, and the cache objects it holds
-    while running (``seq``, its admission until its prefill is done)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    session: str
-    serial: int
-    max_chunk: int
-    on_token: Callable[[int], None] | None = None
-    on_finish: Callable[[RuntimeRequest], None] | None = None
-    keep_logits: bool = False
-    arrival_wall: float = field(default_factory=time.time)
-    t0: float = field(default_factory=time.perf_counter)
-    output_token_ids: list[int] = field(default_factory=list)
-    sampled_logits: list[Tensor] = field(default_factory=list)
-    """With ``keep_logits``: the logits row ``[vocab]`` each output token was sampled from."""
-    seq: PagedSequence | None = None
-    admitted: Admitted | None = None
-    recovering: bool = False
-    t_admit: float = 0.0
-    first_admitted: Admitted | None = None
-    """The first admission: what the cache gave the user's prompt (a re-admission after a
-    preemption resumes on pages the request published itself, which are not cache hits)."""
-    t_first_admit: float = 0.0
-    report: CacheReport | None = None
-    epochs: dict[Form, int] | None = None
-    ttft_seconds: float | None = None
-    e2e_seconds: float | None = None
-    finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
-    decode_slot: int | None = None
-    """The decode runner's slot holding this request's recurrent state while it decodes."""
-    sampler: Sampler = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.sampler = Sampler(self.params)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return self.seq.num_computed_tokens if self.seq is not None else 0
-
-    @property
-    def num_tokens(self) -> int:
-        if self.seq is not None:
-            return len(self.seq.token_ids)
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def next_chunk_end(self, budget: int) -> int:
-        """A prefill chunk from the computed tokens: at most ``budget`` and ``max_chunk`` tokens,
-        ending at the next checkpoint position if one comes first."""
-        assert self.seq is not None
-        start = self.num_computed_tokens
-        ends = [self.num_tokens, start + budget, start + self.max_chunk]
-        ends += [p for p in self.seq.checkpoint_positions if start < p < min(ends)]
-        return min(ends)
 
 
 class Runtime:
     """Continuous batching over one :class:`~engine.llm.LLM` (module docstring).
 
     Args:
-        llm: the engine (model, prefix cache, telemetry sink); the runtime uses its cache and
-            model and emits through its sink. Do not run ``llm.generate`` on the same engine
-            while the runtime has requests.
+        llm: the engine (model, prefix cache, telemetry sink); the runtime runs its model and
+            takes every request through its :attr:`~engine.llm.LLM.lifecycle`. Do not run
+            ``llm.generate`` on the same engine while the runtime has requests.
         config: the scheduler's limits.
         static_decode: decode through the :class:`~engine.runtime.model_runner.DecodeRunner`
             (persistent buffers, padded batches, decode slots); None: whenever the model has the
@@ -145,6 +69,8 @@ class Runtime:
         decode_batch_sizes: tuple[int, ...] | None = None, cuda_graphs: bool | None = None, check_graph_safe: bool = False,
     ) -> None:  # fmt: skip
         self.llm = llm
+        self.lifecycle = llm.lifecycle
+        """The engine's request steps: validation, start, commit, release, events."""
         self.config = config or SchedulerConfig()
         if static_decode is None:
             static_decode = supports_static_decode(llm.model)
@@ -189,11 +115,10 @@ class Runtime:
         """
         params = params or SamplingParams()
         ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self.llm._as_tensor(ids)
-        self.llm._check_fits(len(ids), params.max_tokens)
+        self.lifecycle.validate(ids, params.max_tokens)
         if len(ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"{len(ids)} prompt + {params.max_tokens} output tokens exceed max_model_len = {self.config.max_model_len}")
-        rid = request_id or self.llm._next_request_id()
+        rid = request_id or self.lifecycle.new_request_id()
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         request = RuntimeRequest(
@@ -263,6 +188,7 @@ class Runtime:
         if not prepared:
             return []
         llm = self.llm
+        lifecycle = self.lifecycle
         runner = self.decode_runner
         decoding = [p for p in prepared if runner is not None and p[2] - p[1] == 1 and p[2] == p[0].num_tokens]
         static = {id(p[0]) for p in decoding}
@@ -279,7 +205,7 @@ class Runtime:
                 rows = runner.run([(r.seq, r.decode_slot) for r, *_ in part])  # type: ignore[misc]
                 last_rows |= {id(r): rows[i] for i, (r, *_) in enumerate(part)}
         if packed:
-            ids = llm._ids([t for r, start, end, _ in packed for t in r.seq.token_ids[start:end]])  # type: ignore[union-attr]
+            ids = lifecycle.to_device([t for r, start, end, _ in packed for t in r.seq.token_ids[start:end]])  # type: ignore[union-attr]
             positions = [p for *_, p in packed]
             states = tuple(r.seq for r, *_ in packed)
             logits = llm.model(ids, torch.cat(positions), PackedStates(states, tuple(positions)))  # type: ignore[arg-type]
@@ -291,13 +217,12 @@ class Runtime:
         for r, _, end, _ in prepared:
             seq = r.seq
             assert seq is not None
-            seq.commit(end, take_checkpoint=end in seq.checkpoint_positions)
+            lifecycle.commit(seq, end)
             if end == len(seq.token_ids):
                 self._prefill_done(r)
                 self._sample(r, last_rows[id(r)])
                 touched.append(r)
-        if llm.check_invariants:
-            llm.cache.check_invariants()
+        lifecycle.check_cache()
         return touched
 
     def run(self) -> None:
@@ -341,17 +266,11 @@ class Runtime:
     # -- internals -------------------------------------------------------------------------------
     def _start(self, r: RuntimeRequest) -> None:
         """Admission and leases for ``r`` (again after a preemption, for its prompt and the
-        outputs so far)."""
-        llm = self.llm
-        costs = llm._costs()
-        r.t_admit = time.perf_counter()
+        outputs so far): :meth:`RequestLifecycle.start`."""
         remaining = r.params.max_tokens - len(r.output_token_ids)
-        r.admitted, r.seq = llm._start_request(r.prompt_token_ids + r.output_token_ids, remaining, costs)
-        r.recovering = True
-        if r.first_admitted is None:
-            r.first_admitted, r.t_first_admit = r.admitted, r.t_admit
-        if r.epochs is None:
-            r.epochs = llm._epochs(r.seq, r.admitted.plan.resume_tokens)
+        r.lease = self.lifecycle.start(r.prompt_token_ids + r.output_token_ids, remaining)
+        if r.first_admission is None:
+            r.first_admission = r.lease.record
         self.running.append(r)
 
     def _pages_needed(self, r: RuntimeRequest, form: PagedKVForm) -> int:
@@ -404,28 +323,26 @@ class Runtime:
         self.num_preemptions += 1
 
     def _release(self, r: RuntimeRequest) -> None:
+        """Give back the decode slot and the lease ``r`` holds; it is no longer running."""
         if r.decode_slot is not None:
             assert self.decode_runner is not None
             self.decode_runner.release(r.decode_slot)
             r.decode_slot = None
-        if r.recovering and r.admitted is not None:
-            self.llm.cache.finish_recovery(r.admitted)
-            r.recovering = False
-        if r.seq is not None:
-            r.seq.finish()
-            r.seq = None
+        if r.lease is not None:
+            self.lifecycle.release(r.lease)
+            r.lease = None
         if r in self.running:
             self.running.remove(r)
 
     def _prefill_done(self, r: RuntimeRequest) -> None:
-        if not r.recovering:
+        """``r``'s sequence is fully computed: its recovery budget goes back (once per
+        admission), and its report is made from its first admission if not yet."""
+        assert r.lease is not None
+        if not self.lifecycle.prefill_done(r.lease):
             return
-        assert r.admitted is not None
-        self.llm.cache.finish_recovery(r.admitted)
-        r.recovering = False
         if r.report is None:  # the first admission is the one the user's prompt got
-            assert r.first_admitted is not None
-            r.report = self.llm._report(r.first_admitted, time.perf_counter() - r.t_first_admit)
+            assert r.first_admission is not None
+            r.report = self.lifecycle.report(r.first_admission)
 
     def _sample(self, r: RuntimeRequest, row: Tensor) -> None:
         params = r.params
@@ -449,16 +366,18 @@ class Runtime:
             r.seq.append_token(token)
 
     def _finish(self, r: RuntimeRequest, reason: FinishReason) -> None:
+        """End ``r``: release it, time it, emit its events (when it was ever admitted), check the
+        cache, then call its ``on_finish``."""
         self._release(r)
         r.finish_reason = reason
         r.e2e_seconds = time.perf_counter() - r.t0
         if r.ttft_seconds is None:
             r.ttft_seconds = r.e2e_seconds
-        if r.report is None and r.first_admitted is not None:  # ended before its prefill did
-            r.report = self.llm._report(r.first_admitted, time.perf_counter() - r.t_first_admit)
-        if r.report is not None and r.epochs is not None:
-            self.llm._emit_request(r.request_id, r.arrival_wall, r.report, len(r.output_token_ids), r.ttft_seconds, r.e2e_seconds, r.epochs)
-        if self.llm.check_invariants:
-            self.llm.cache.check_invariants()
+        first = r.first_admission
+        if r.report is None and first is not None:  # ended before its prefill did
+            r.report = self.lifecycle.report(first)
+        if r.report is not None and first is not None:
+            self.lifecycle.finish(r.request_id, r.arrival_wall, first, r.report, len(r.output_token_ids), r.ttft_seconds, r.e2e_seconds)
+        self.lifecycle.check_cache()
         if r.on_finish is not None:
             r.on_finish(r)

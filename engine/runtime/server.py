@@ -17,6 +17,11 @@ Endpoints, as the OpenAI API and vLLM's server define them:
 Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 malformed or unservable request, 404 for another model, 500 when the engine failed. A client
 that disconnects mid-stream has its request aborted and its blocks freed.
+
+The request bodies and the error shape are in :mod:`engine.runtime.openai_api`, the Prometheus
+series in :mod:`engine.runtime.server_metrics`; a request is checked by the engine's
+:class:`~engine.request_lifecycle.RequestLifecycle` before it is queued (a refusal is a 400, not a
+failed stream) and then runs on the :class:`~engine.runtime.engine_loop.EngineLoop`.
 """
 
 from __future__ import annotations
@@ -28,172 +33,36 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
-from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.runtime.engine_loop import EngineLoop, Failed, Finished, Token
-from engine.runtime.runtime import RuntimeRequest
+from engine.runtime.openai_api import (
+    CHAT_END,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+    StopStrings,
+    error_body,
+    render_chat,
+)
+from engine.runtime.request import RuntimeRequest
+from engine.runtime.server_metrics import ServerMetrics
 from engine.sampling import SamplingParams
 from engine.tokenizer import StreamDecoder
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 """Tokens a chat completion may generate when the request does not say."""
-CHAT_END = "<|im_end|>"
-"""ChatML's end of a turn: a chat answer stops there."""
 DISCONNECT_POLL_SECONDS = 0.25
 """How often a request without a stream checks that its client is still connected."""
 T = TypeVar("T")
-
-
-class APIError(Exception):
-    """A request the server refuses, with the OpenAI error fields."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=error_body(self.message, self.type, self.param, self.code))
-
-
-def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (logit_bias, ...)
-
-    model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    user: str | None = None
-
-    def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise APIError(400, "stop strings must not be empty", param="stop")
-        return stops
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
-
-
-def render_chat(messages: list[ChatMessage]) -> str:
-    """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then the opening of
-    the assistant's turn."""
-    parts = []
-    for m in messages:
-        text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        parts.append(f"<|im_start|>{m.role}\n{text}<|im_end|>\n")
-    return "".join(parts) + "<|im_start|>assistant\n"
-
-
-class StopStrings:
-    """Cuts generated text before the first stop string, holding back the tail that could still
-    become one (as vLLM's detokenizer does)."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-
-    def push(self, piece: str) -> tuple[str, bool]:
-        """New text to emit and whether a stop string ended the output."""
-        self.pending += piece
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        cut = max(len(self.pending) - self.hold, 0)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
-class ServerMetrics:
-    """The server's Prometheus series (its own registry)."""
-
-    def __init__(self, loop: EngineLoop) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("kvscope_server_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("kvscope_server_prompt_tokens", "Prompt tokens of ended requests", registry=r)
-        self.cached_tokens = Counter("kvscope_server_cached_prompt_tokens", "Prompt tokens the prefix cache served", registry=r)
-        self.generation_tokens = Counter("kvscope_server_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram(
-            "kvscope_server_time_to_first_token_seconds", "Arrival to first token", registry=r,
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
-        )  # fmt: skip
-        runtime = loop.runtime
-        Gauge("kvscope_server_requests_running", "Requests holding cache leases", registry=r).set_function(lambda: len(runtime.running))
-        Gauge("kvscope_server_requests_waiting", "Requests queued", registry=r).set_function(lambda: len(runtime.waiting))
-        r.register(_PreemptionCollector(lambda: runtime.num_preemptions))
-
-    def observe(self, r: RuntimeRequest, finish_reason: str, generated: int) -> None:
-        self.requests.labels(finish_reason=finish_reason).inc()
-        self.prompt_tokens.inc(len(r.prompt_token_ids))
-        self.generation_tokens.inc(generated)
-        if r.report is not None:
-            self.cached_tokens.inc(r.report.recoverable_tokens)
-        if r.ttft_seconds is not None and generated:
-            self.ttft.observe(r.ttft_seconds)
-
-
-class _PreemptionCollector(Collector):
-    """``kvscope_server_preemptions_total``: a counter read from the runtime's running total at
-    scrape time (prometheus_client's ``Counter`` cannot be backed by a function)."""
-
-    def __init__(self, read: Callable[[], int]) -> None:
-        self._read = read
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily("kvscope_server_preemptions", "Requests preempted by recompute since start", value=self._read())
 
 
 @contextlib.contextmanager
@@ -293,17 +162,16 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
                     await task
                 return Response(status_code=499)
 
-    def check(body: _Sampling) -> None:
+    def check(body: SamplingFields) -> None:
         if body.model != model_name:
             raise APIError(404, f"The model `{body.model}` does not exist (this server serves `{model_name}`).", param="model", code="model_not_found")
         if body.n != 1:
             raise APIError(400, "only n = 1 is supported", param="n")
 
-    def sampling(body: _Sampling, max_tokens: int, prompt_ids: list[int]) -> SamplingParams:
+    def sampling(body: SamplingFields, max_tokens: int, prompt_ids: list[int]) -> SamplingParams:
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-            llm._as_tensor(prompt_ids)
-            llm._check_fits(len(prompt_ids), max_tokens)
+            llm.lifecycle.validate(prompt_ids, max_tokens)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         return params
@@ -345,7 +213,7 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
         return await respond(request, body, rid, ids, params, delta, whole, extra_stops=(CHAT_END,))
 
     async def respond(
-        request: Request, body: _Sampling, rid: str, ids: list[int], params: SamplingParams,
+        request: Request, body: SamplingFields, rid: str, ids: list[int], params: SamplingParams,
         piece: Callable[[str, str | None], dict[str, Any]], whole: Callable[[str, str | None], dict[str, Any]],
         extra_stops: tuple[str, ...] = (),
     ) -> Response:  # fmt: skip

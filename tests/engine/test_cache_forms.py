@@ -213,7 +213,7 @@ def test_object_changed_between_lookup_and_lease_degrades_to_recompute() -> None
     base = tokens(100, 48)
     assert_warm_equals_cold(llm, base)
     full = next(f for f in llm.cache.kv_forms if f.form == Form.FULL_KV)
-    lookup = llm.cache.lookup
+    lookup = llm.cache.planner.lookup  # what admission plans with
     victims: list[int] = []
 
     def lookup_then_invalidate(hashes, prompt_tokens, vetoes=None, **kwargs):  # type: ignore[no-untyped-def]
@@ -222,7 +222,7 @@ def test_object_changed_between_lookup_and_lease_degrades_to_recompute() -> None
             full.pool.invalidate(victims.pop())
         return plan
 
-    llm.cache.lookup = lookup_then_invalidate  # type: ignore[method-assign]
+    llm.cache.planner.lookup = lookup_then_invalidate  # type: ignore[method-assign]
     follow_up = [*base, *tokens(10, 49)]
     hashes = llm.cache.block_hashes(follow_up)
     victims.append(full.pool.lookup(hashes[2]))  # a page inside the matched prefix

@@ -7,13 +7,13 @@ import torch
 
 from engine.config import HybridConfig
 from engine.model.attention import attention_mask
-from engine.model.gated_deltanet import (
+from engine.model.hybrid import HybridForCausalLM
+from kernels.gated_delta_rule_torch import (
     causal_conv1d,
     chunk_gated_delta_rule,
     gated_delta_rule,
     l2norm,
 )
-from engine.model.hybrid import HybridForCausalLM
 from tests.helpers import TOLERANCE
 
 

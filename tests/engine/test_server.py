@@ -27,8 +27,9 @@ from engine.events import RequestEvent
 from engine.llm import LLM
 from engine.runtime import Runtime, SchedulerConfig
 from engine.runtime.engine_loop import EngineLoop
-from engine.runtime.runtime import RuntimeRequest
-from engine.runtime.server import StopStrings, create_app, render_chat, serve_in_thread
+from engine.runtime.openai_api import StopStrings, render_chat
+from engine.runtime.request import RuntimeRequest
+from engine.runtime.server import create_app, serve_in_thread
 from engine.sampling import SamplingParams
 from engine.telemetry import ListSink
 from engine.trace.formats import TraceRequest, load_trace
@@ -109,7 +110,7 @@ def test_chat_completions_streamed_and_not(served: Served) -> None:
 
 
 def render_chat_text(messages: list[dict[str, str]]) -> str:
-    from engine.runtime.server import ChatMessage
+    from engine.runtime.openai_api import ChatMessage
 
     return render_chat([ChatMessage.model_validate(m) for m in messages])
 

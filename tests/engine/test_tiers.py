@@ -15,7 +15,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-import engine.cache.tiers as tiers_module
+import engine.cache.tier_files as tier_files_module
 from engine import LLM, CacheConfig
 from engine.cache.admission import CostModel
 from engine.events import (
@@ -434,7 +434,7 @@ def test_a_late_write_of_a_dropped_copy_keeps_the_newer_file(tmp_path: Path, mon
     pool = llm.cache.kv_forms[0].pool
     h, block = next(iter(pool.cached_blocks.items()))
     slow_once = threading.Event()
-    write = tiers_module._write_file
+    write = tier_files_module.write_file
 
     def slow_first_write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], corrupt: bool) -> None:
         if not slow_once.is_set():
@@ -442,7 +442,7 @@ def test_a_late_write_of_a_dropped_copy_keeps_the_newer_file(tmp_path: Path, mon
             time.sleep(0.5)
         write(path, tensors, meta, corrupt)
 
-    monkeypatch.setattr(tiers_module, "_write_file", slow_first_write)
+    monkeypatch.setattr(tier_files_module, "write_file", slow_first_write)
     assert tiers.offload_now(pool, block, h, Tier.HOST) and tiers.offload_now(pool, block, h, Tier.DISK)
     entry = tiers.readable(pool.name, h)
     assert entry is not None and entry.fence is not None  # readable from memory while its file is written

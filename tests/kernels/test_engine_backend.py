@@ -82,14 +82,14 @@ def run(model: str, device: str, backend: str) -> dict[str, object]:
     cold = llm.score(prompt)
     warm = llm.score(extended)
     decode_logits: list[torch.Tensor] = []
-    step = llm._decode_step
+    step = llm.lifecycle.decode_step
 
     def recorded(seq: object, token: int) -> torch.Tensor:
         logits = step(seq, token)  # type: ignore[arg-type]
         decode_logits.append(logits.clone())
         return logits
 
-    llm._decode_step = recorded  # type: ignore[method-assign]
+    llm.lifecycle.decode_step = recorded  # type: ignore[method-assign]
     generated = llm.generate([[*extended, 7]], SamplingParams(max_tokens=3, temperature=0.0))[0]
     assert len(decode_logits) == 2  # the first token comes from the prefill's last logits
     return {

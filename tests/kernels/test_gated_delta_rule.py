@@ -1,15 +1,14 @@
-"""gated_delta_rule kernels against the engine's torch path: the fused recurrent and the chunked
-forms on varlen batches (lengths 1, 63, 0 and 100; one of 500; initial state in, final state out,
-in place too), head dims 64 and 60, fp32 and fp16 inputs, outputs pre-filled with NaN; the
-causal conv decode step against the engine's causal_conv1d over several tokens; the launcher
-checks."""
+"""gated_delta_rule kernels against the engine's torch path (:mod:`kernels.gated_delta_rule_torch`):
+the fused recurrent and the chunked forms on varlen batches (lengths 1, 63, 0 and 100; one of
+500; initial state in, final state out, in place too), head dims 64 and 60, fp32 and fp16
+inputs, outputs pre-filled with NaN; the causal conv decode step against the torch
+causal_conv1d over several tokens; the launcher checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.model.gated_deltanet import causal_conv1d, chunk_gated_delta_rule, l2norm
 from kernels.gated_delta_rule import (
     CHUNK,
     causal_conv1d_update,
@@ -20,6 +19,7 @@ from kernels.gated_delta_rule import (
 from kernels.gated_delta_rule import (
     chunk_gated_delta_rule as chunk_kernel,
 )
+from kernels.gated_delta_rule_torch import causal_conv1d, chunk_gated_delta_rule, l2norm
 from tests.helpers import TOLERANCE
 
 
