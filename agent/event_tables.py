@@ -1,6 +1,6 @@
 """How events become rows: one Arrow table per event kind, typed like the store's tables (the
-types read off the annotations of ``engine.events``), and the outcome sets the recovery-latency
-buckets count. :mod:`agent.ingest` builds and writes batches with them."""
+types read off the annotations of ``engine.events``; a ``tuple[Form, ...]`` field is a
+``VARCHAR[]`` list column), and the outcome sets the recovery-latency buckets count. :mod:`agent.ingest` builds and writes batches with them."""
 
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ def _arrow_type(name: str, hint: object) -> pa.DataType:
         metas = tuple(rest)
     if base is bool:
         return pa.bool_()
+    items = typing.get_args(base) if typing.get_origin(base) is tuple else ()
+    if len(items) == 2 and items[1] is Ellipsis:  # ``tuple[Form, ...]``: a list column
+        return pa.list_(_arrow_type(name, items[0]))
     nullable = typing.get_args(base) if typing.get_origin(base) in (typing.Union, types.UnionType) else ()
     if len(nullable) == 2 and type(None) in nullable:  # ``Annotated[int, ...] | None``: the column is nullable
         inner = next(o for o in nullable if o is not type(None))

@@ -7,7 +7,8 @@ transaction together with its ``schema_migrations`` row.
 Column conventions: ``ts`` is the event's time (unix seconds) as a naive UTC ``TIMESTAMP`` with
 microsecond precision; ``ingested_at`` is when the agent stored the row (naive UTC); enum-valued
 columns (form, tier, outcome, reason, admission, action) hold the ``engine.events`` enum values as
-``VARCHAR``, so a new enum member needs no migration.
+``VARCHAR`` (a tuple of them, such as ``requests.limiting_forms``, as ``VARCHAR[]``), so a new enum
+member (``tier_incomplete``) needs no migration.
 """
 
 from __future__ import annotations
@@ -300,6 +301,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         version=8,
         name="cache_lookups: the spare memory of a resuming lookup (the Capacity what-if, less memory)",
         statements=("ALTER TABLE cache_lookups ADD COLUMN spare_bytes BIGINT",),
+    ),
+    Migration(
+        version=9,
+        name="requests: every form tied as limiting the resume point (limiting_form is one of them)",
+        # rows stored before read [] (no ties recorded), like a request no form limited
+        statements=("ALTER TABLE requests ADD COLUMN limiting_forms VARCHAR[] DEFAULT []",),
     ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""

@@ -282,8 +282,10 @@ RECENT_REQUESTS = NamedQuery(
     name="recent_requests",
     description=(
         "The latest requests, newest first; optionally only those in the last since_seconds, "
-        "with ts in [start_ts, end_ts) (unix seconds: one chart bucket), limited by one form, or "
-        "whose request id contains search (case-insensitive)."
+        "with ts in [start_ts, end_ts) (unix seconds: one chart bucket), limited by one form "
+        "(the named limiting_form, not any form of a tie), or whose request id contains search "
+        "(case-insensitive). limiting_forms lists every form tied as limiting ([] when none, or "
+        "for rows stored before schema 9)."
     ),
     sql=f"""
     SELECT * EXCLUDE (ingested_at)
@@ -327,6 +329,7 @@ RECENT_REQUESTS = NamedQuery(
         "e2e_seconds",
         "predicted_seconds",
         "actual_seconds",
+        "limiting_forms",
     ),
 )
 
@@ -503,7 +506,11 @@ FORM_TIMESERIES = NamedQuery(
 
 LIMITING_FORMS = NamedQuery(
     name="limiting_forms",
-    description="Per time bucket: requests by the form that set their resume point (NULL: none limited it).",
+    description=(
+        "Per time bucket: requests by the form named as setting their resume point (NULL: none "
+        "limited it). A request whose limit was a tie counts once, under its limiting_form; the "
+        "tied forms are recent_requests' limiting_forms."
+    ),
     sql=f"""
     SELECT {_BUCKET_EXPR.format(t="")} AS bucket, limiting_form, count(*) AS requests
     FROM requests

@@ -8,6 +8,8 @@
 * **One request** (``request_lookups``): each form's usable length as a bar against the hash hit
   and the resume point L* the request used (the shortest usable form limits it), with its
   outcome, reason and tier; the plan chosen (admission), predicted vs actual seconds, and TTFT.
+  When forms tied as limiting (``limiting_forms`` holds more than one), the caption names them:
+  ``Limited by swa_window (swa_evicted; tied: full_kv, swa_window).``
 
 Times are UTC, as the agent stores them.
 """
@@ -125,10 +127,7 @@ def detail(client: object, row: pd.Series) -> None:
     columns[3].metric("Predicted", f"{row['predicted_seconds']:.3f} s")
     columns[4].metric("Actual", f"{row['actual_seconds']:.3f} s")
     columns[5].metric("TTFT", f"{row['ttft_seconds']:.3f} s")
-    limiting = row["limiting_form"] if isinstance(row["limiting_form"], str) else None
-    st.caption(
-        f"Limited by {limiting} ({row['limiting_reason']})." if limiting else "No form limited the resume point."
-    )
+    st.caption(limit_caption(row))
     try:
         forms = query(client, "request_lookups", request_id=row["request_id"], engine_id=row["engine_id"])  # type: ignore[arg-type]
     except AgentError as exc:
@@ -142,6 +141,18 @@ def detail(client: object, row: pd.Series) -> None:
         forms[["form", "outcome", "reason", "tier", "hash_hit_tokens", "usable_tokens", "recoverable_tokens", "replayed_tokens", "recovery_seconds"]],
         hide_index=True,
     )
+
+
+def limit_caption(row: pd.Series) -> str:
+    """What set the request's resume point: the limiting form and its reason, and the forms tied
+    with it when ``limiting_forms`` names more than one (in the engine's order)."""
+    limiting = row["limiting_form"] if isinstance(row["limiting_form"], str) else None
+    if limiting is None:
+        return "No form limited the resume point."
+    tied = row.get("limiting_forms")  # an array of names; None or NaN: no value
+    forms = [] if tied is None or isinstance(tied, float) else [str(f) for f in tied]
+    ties = f"; tied: {', '.join(forms)}" if len(forms) > 1 else ""
+    return f"Limited by {limiting} ({row['limiting_reason']}{ties})."
 
 
 def form_bars(forms: pd.DataFrame, resume_tokens: int) -> alt.LayerChart:

@@ -30,6 +30,9 @@ WHERE outcome <> 'hit'
 GROUP BY ALL ORDER BY lookups DESC LIMIT 20""",
     "Which form limited the resume point": """SELECT coalesce(limiting_form, 'none') AS limiting_form, limiting_reason, count(*) AS requests
 FROM requests GROUP BY ALL ORDER BY requests DESC""",
+    "Resume points set by a tie of forms": """SELECT limiting_form, limiting_forms, limiting_reason, count(*) AS requests
+FROM requests WHERE len(limiting_forms) > 1
+GROUP BY ALL ORDER BY requests DESC""",
     "Recoverable tokens per minute": """SELECT time_bucket(INTERVAL 1 MINUTE, ts) AS minute,
        sum(recoverable_tokens) AS recoverable_tokens, sum(prompt_tokens) AS prompt_tokens
 FROM requests GROUP BY ALL ORDER BY minute""",

@@ -117,6 +117,7 @@ class EventEmitter:
                 approximate=report.approximate,
                 limiting_form=report.limiting_form,
                 limiting_reason=report.limiting_reason,
+                limiting_forms=report.limiting_forms,
                 admission=report.admission,
                 predicted_seconds=report.predicted_seconds,
                 actual_seconds=report.actual_seconds,

@@ -86,9 +86,14 @@ class Reason(enum.StrEnum):
     MISALIGNED = "misaligned"
     GROUP_DISAGREE = "group_disagree"
     EPOCH_CHANGED = "epoch_changed"
+    """The state was replaced while the request used it, or a tier entry changed its epoch
+    (dropped and stored again) while it was being swapped in: its read was refused."""
     ADMISSION_RECOMPUTE_CHEAPER = "admission_recompute_cheaper"
     RECOVERY_CAP_REACHED = "recovery_cap_reached"
     MODEL_REVISION_CHANGED = "model_revision_changed"
+    TIER_INCOMPLETE = "tier_incomplete"
+    """A lower tier holds this prefix's objects of some forms but not of this one: the others
+    could be swapped in deeper, this form's state past its usable point is on no tier."""
 
 
 class Admission(enum.StrEnum):
@@ -180,6 +185,10 @@ class RequestEvent(_Event, tag="request", kw_only=True):
     approximate: bool = False
     limiting_form: Form | None = None
     limiting_reason: Reason = Reason.NONE
+    limiting_forms: tuple[Form, ...] = ()
+    """Every form whose own usable length equals the resume point L* when a form lowered it
+    (ties included, in :class:`Form` order); ``limiting_form`` is the one named among them by the
+    rule of docs/cache-forms.md. Empty when no form lowered L*."""
     admission: Admission
     ttft_seconds: NonNegFloat
     e2e_seconds: NonNegFloat
@@ -285,7 +294,8 @@ def check_batch(batch: EventBatch) -> None:
             ``cache_lookup`` whose usable, recoverable or ghost tokens exceed its hash hit, with
             ``ghost_bytes`` but no ``ghost_tokens`` (or the reverse), ``ghost_bytes`` 0, or
             ``ghost_tokens`` not past ``usable_tokens``, or ``spare_bytes`` without usable
-            tokens; a ``request`` whose token split does not add up to its prompt.
+            tokens; a ``request`` whose token split does not add up to its prompt, or whose
+            non-empty ``limiting_forms`` misses its ``limiting_form`` or repeats a form.
     """
     if batch.schema_version != SCHEMA_VERSION:
         raise EventError(
@@ -326,6 +336,11 @@ def check_batch(batch: EventBatch) -> None:
                 raise EventError(f"{at}.recoverable_tokens", "exceeds hash_hit_tokens")
             if ev.resume_tokens >= max(ev.prompt_tokens, 1):
                 raise EventError(f"{at}.resume_tokens", "must be below prompt_tokens")
+            if ev.limiting_forms:
+                if ev.limiting_form not in ev.limiting_forms:
+                    raise EventError(f"{at}.limiting_forms", f"does not contain limiting_form {ev.limiting_form}")
+                if len(set(ev.limiting_forms)) != len(ev.limiting_forms):
+                    raise EventError(f"{at}.limiting_forms", "names a form twice")
 
 
 def encode_batch(batch: EventBatch, fmt: ContentFormat = "json") -> bytes:

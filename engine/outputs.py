@@ -51,6 +51,11 @@ class CacheReport:
         return self.plan.limiting_reason
 
     @property
+    def limiting_forms(self) -> tuple[Form, ...]:
+        """Every limiting form (ties), ``limiting_form`` among them; empty when none lowered L*."""
+        return self.plan.limiting_forms
+
+    @property
     def forms(self) -> tuple[FormLookup, ...]:
         return self.plan.forms
 

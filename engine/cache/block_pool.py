@@ -157,9 +157,9 @@ class BlockPool:
         return free.evicted_before([b for b in blocks if self.ref_count[b] == 0], room)
 
     def was_evicted(self, h: BlockHash) -> bool:
-        """Whether a block cached under ``h`` was evicted recently (and not stored again since).
-        An invalidated block does not count."""
-        return h in self._hashes.evicted
+        """Whether a block cached under ``h`` left the device: evicted recently (and not stored
+        again since), or copied to a lower tier that still holds it (also after a restart)."""
+        return h in self._hashes.evicted or (self.tiers is not None and self.tiers.readable(self.name, h) is not None)
 
     @property
     def num_free(self) -> int:

@@ -86,6 +86,7 @@ class CompressedKVForm:
     does (group intersection: the minimum over groups, e.g. CSA ratio 4 and HCA ratio 128)."""
 
     form = Form.COMPRESSED_KV
+    downward_closed = True  # entry pages of a prefix: the same loss reason at every point
 
     def __init__(self, specs: Mapping[int, CompressedLayerSpec], num_blocks: int, unit_tokens: int, index: PrefixIndex, device: torch.device) -> None:
         self.unit_tokens = unit_tokens

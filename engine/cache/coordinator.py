@@ -9,7 +9,7 @@ of checkpoints is not downward closed, hence the loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,6 +79,9 @@ class ResumePlan:
     zeroed there, and the result is approximate."""
     pool_versions: tuple[tuple[Form, tuple[int, ...]], ...] = ()
     """Each form's pool versions when the plan was made (what ``start`` re-checks)."""
+    limiting_forms: tuple[Form, ...] = ()
+    """Every limiting form (:func:`limiting_set`), ``limiting_form`` among them; empty when no
+    form lowered L*."""
 
     def form(self, form: Form) -> FormLookup:
         for f in self.forms:
@@ -114,11 +117,11 @@ def plan_resume(
     to leave a resume point before the last token → ``invalidated`` (``prompt_end``); otherwise
     ``hit``.
 
-    The limiting form is the one that set L* (the last to lower it); when several forms cannot
-    go above L* on their own, one whose loss is a real cause (evicted, missing checkpoint) is
-    named before one that is only ``below_granularity``, then in :class:`Form` order. It is
-    None when nothing lowered L*: the reason is then ``prompt_end`` if the prompt end capped
-    L*, ``no_prefix_match`` without a hash hit, else ``none``.
+    A lost form's reason is the one at the highest point it lost where its state was ever stored
+    (:func:`stored_loss_reason`). The limiting forms are those of :func:`limiting_set`, the
+    named one is :func:`name_limiting`'s. None (and no limiting forms) when nothing lowered L*:
+    the reason is then ``prompt_end`` if the prompt end capped L*, ``no_prefix_match`` without a
+    hash hit, else ``none``.
     """
     target = min(hash_hit_tokens, resume_limit(prompt_tokens, unit_tokens))
     usable = {f.form: f.resume_at_most(hashes, target) for f in forms}
@@ -134,7 +137,7 @@ def plan_resume(
                 first_loss.setdefault(f.form, resume)
                 resume, last, changed = lowered, f, True
 
-    reasons = {f.form: f.loss_reason(hashes, first_loss[f.form]) for f in forms if f.form in first_loss}
+    reasons = {f.form: stored_loss_reason(f, hashes, usable[f.form], first_loss[f.form], unit_tokens) for f in forms if f.form in first_loss}
     verdicts = []
     for f in forms:
         u = usable[f.form]
@@ -150,11 +153,11 @@ def plan_resume(
             FormLookup(form=f.form, outcome=outcome, reason=reason, usable_tokens=u, recoverable_tokens=min(u, resume))
         )
 
+    limiting_forms: tuple[Form, ...] = ()
     limiting_form: Form | None
     if last is not None:
-        order = [f.form for f in forms]
-        binding = {last.form} | {form for form in reasons if usable[form] == resume}
-        limiting_form = min(binding, key=lambda form: (reasons[form] == Reason.BELOW_GRANULARITY, order.index(form)))
+        limiting_forms = limiting_set(usable, reasons, [f.form for f in forms])
+        limiting_form = name_limiting(limiting_forms, reasons)
         limiting_reason = reasons[limiting_form]
     elif hash_hit_tokens == 0:
         limiting_form, limiting_reason = None, Reason.NO_PREFIX_MATCH
@@ -169,4 +172,36 @@ def plan_resume(
         limiting_form=limiting_form,
         limiting_reason=limiting_reason,
         forms=tuple(verdicts),
+        limiting_forms=limiting_forms,
     )
+
+
+def stored_loss_reason(form: ResumableForm, hashes: Sequence[BlockHash], usable: int, limit: int, unit_tokens: int) -> Reason:
+    """Why ``form`` lost the tokens in (``usable``, ``limit``]: its reason at the highest point
+    there where its state was ever stored (a point that is not gives ``below_granularity``);
+    ``below_granularity`` only when no point there ever was. A downward-closed form (its
+    ``downward_closed`` attribute true) gives the same reason at every point: asked once."""
+    reason = form.loss_reason(hashes, limit)
+    if reason != Reason.BELOW_GRANULARITY or getattr(form, "downward_closed", False):
+        return reason
+    for point in range(limit - unit_tokens, usable, -unit_tokens):
+        reason = form.loss_reason(hashes, point)
+        if reason != Reason.BELOW_GRANULARITY:
+            return reason
+    return Reason.BELOW_GRANULARITY
+
+
+def limiting_set(usable: Mapping[Form, int], reasons: Mapping[Form, Reason], order: Sequence[Form]) -> tuple[Form, ...]:
+    """The limiting forms: of the forms that lost tokens (``reasons``' keys), those whose own
+    usable length is the smallest — the forms whose usable length equals L* whenever one does
+    (when none does, the forms disagree and the shortest ones bound L* the most) — in
+    ``order``."""
+    lowest = min(usable[form] for form in reasons)
+    return tuple(form for form in order if form in reasons and usable[form] == lowest)
+
+
+def name_limiting(limiting: Sequence[Form], reasons: Mapping[Form, Reason]) -> Form:
+    """The limiting form a request names among ``limiting`` (docs/cache-forms.md): one whose
+    reason is a real cause before one that is only ``below_granularity``, then :class:`Form`
+    order."""
+    return min(limiting, key=lambda form: (reasons[form] == Reason.BELOW_GRANULARITY, list(Form).index(form)))

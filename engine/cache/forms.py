@@ -112,6 +112,7 @@ class PagedKVForm:
     ) -> None:
         self.form = form
         self.evicted_reason = Reason.SWA_EVICTED if window is not None else Reason.KV_EVICTED
+        self.downward_closed = window is None  # a prefix of pages: the same loss reason at every point
         self.layers = layers
         self.unit_tokens = unit_tokens
         self.window = window

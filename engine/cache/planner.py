@@ -24,7 +24,7 @@ from engine.cache.hashing import BlockHash
 from engine.cache.swap import SwapController, SwapPlan
 from engine.cache.tail_replay import tail_replay_plan
 from engine.cache.validation import check_granularity
-from engine.cache.verdicts import mark_recovered, relabel
+from engine.cache.verdicts import relabel, swapped_verdicts
 from engine.events import Admission, Form, Outcome, Reason
 
 
@@ -59,6 +59,7 @@ class Planner:
         *,
         output_tokens: int = 0,
         replay: bool = True,
+        hit_tokens: int | None = None,
     ) -> ResumePlan:
         """The hash hit and the resume plan; takes no lease and changes nothing.
 
@@ -68,12 +69,14 @@ class Planner:
         reason. ``vetoes`` names forms that must not be used (with the reason they report).
         Objects only a lower tier holds count for the hash hit but not for L* (see
         :meth:`admit`, which prices swapping them in). ``replay=False`` leaves Tail-Replay out.
+        ``hit_tokens`` replaces the hash hit (the one a request matched before its swap-in, whose
+        failed copies leave the index).
 
         Raises:
             RuntimeError: L* itself is not a multiple of U (an internal invariant).
         """
         fs, u = self.form_set, self.form_set.unit_tokens
-        hit = fs.hash_hit_tokens(hashes)
+        hit = fs.hash_hit_tokens(hashes) if hit_tokens is None else hit_tokens
         reasons = fs.failure_reasons(vetoes) if hit else dict(vetoes or {})
         forms = fs.resumable(reasons)
         plan = plan_resume(forms, hashes, prompt_tokens, hit, u)
@@ -115,7 +118,7 @@ class Planner:
         device = self.lookup(hashes, prompt_tokens, vetoes, output_tokens=output_tokens)
         swap: SwapPlan | None = None
         if self.swap is not None:
-            device = self.swap.claim_restored(hashes, device)
+            device = relabel(self.swap.claim_restored(hashes, device), self.swap.claim_refused(hashes, device))
             swap = self.swap.swap_plan(hashes, prompt_tokens, vetoes, device)
         exact = device if not device.replayed_tokens else self.lookup(hashes, prompt_tokens, vetoes, output_tokens=output_tokens, replay=False)
         model = costs or CostModel(seconds_per_token=1.0)  # without measured costs: the deepest resume wins
@@ -176,13 +179,13 @@ class Planner:
         device: ResumePlan,
         chosen: Candidate,
     ) -> ResumePlan:
-        """Bring back every object of ``swap`` as one unit, then plan again on the device: the
-        plan resumes at the deepest point where every form's objects arrived intact."""
+        """Bring back every object of ``swap`` as one unit, then plan again on the device (with
+        the hash hit the request matched): the plan resumes at the deepest point where every
+        form's objects arrived intact; the verdicts are :func:`swapped_verdicts`'."""
         assert self.swap is not None
         result = self.swap.swap_in(hashes, swap, chosen.total_swap_bytes)
-        plan = self.lookup(hashes, prompt_tokens, vetoes, output_tokens=output_tokens, replay=False)
-        plan = mark_recovered(plan, device, result.moved, self.form_set.missing_reasons())
-        return relabel(plan, result.failures)
+        after = self.lookup(hashes, prompt_tokens, vetoes, output_tokens=output_tokens, replay=False, hit_tokens=device.hash_hit_tokens)
+        return swapped_verdicts(after, swap.plan, device, result.moved, result.failures, self.form_set.missing_reasons())
 
     def prefetch(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> int:
         """Start swapping in, without waiting, what a request with this prompt would need from

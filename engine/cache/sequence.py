@@ -93,6 +93,9 @@ class PagedSequence:
         self.unit_tokens = form_set.unit_tokens
         self.num_computed_tokens = resume_tokens
         self.last_checkpoint_tokens = resume_tokens
+        self.last_checkpoint_reached = resume_tokens
+        """The last checkpoint position the prefill reached, stored or not (a full slot pool, a
+        fault): the window behind an older one is no longer leased."""
         self.tables: dict[PagedKVForm, list[int]] = {f: [] for f in form_set.kv_forms}
         self.published_pages = resume_tokens // self.unit_tokens
         self.released_pages: dict[PagedKVForm, int] = {f: 0 for f in form_set.kv_forms}
@@ -220,12 +223,10 @@ class PagedSequence:
                         form.pool.publish(table[page], self.hashes[page])
             if self.compressed_states:
                 self.writer.store_entries(self.hashes, self.compressed_states, self.entry_tables)
-            if (
-                take_checkpoint
-                and end % u == 0
-                and self.writer.save_checkpoint(self.hashes, end, self.linear_states, self.compressed_states)
-            ):
-                self.last_checkpoint_tokens = end
+            if take_checkpoint and end % u == 0:
+                self.last_checkpoint_reached = end
+                if self.writer.save_checkpoint(self.hashes, end, self.linear_states, self.compressed_states):
+                    self.last_checkpoint_tokens = end
         self.published_pages = max(self.published_pages, full_pages)
         self._trim_windows()
 
@@ -253,8 +254,12 @@ class PagedSequence:
         return min(self.last_checkpoint_tokens, self.num_computed_tokens)
 
     def _trim_windows(self) -> None:
+        """Give back the window pages no resume point this request can still produce reads: those
+        before the window of its anchor — or of the last checkpoint position it reached when the
+        checkpoint there was not stored (else a request whose checkpoints all fail would keep its
+        whole prompt's window leased and exhaust the pool). Released pages stay cached."""
         u = self.unit_tokens
-        anchor = self.resume_anchor()
+        anchor = max(self.resume_anchor(), min(self.last_checkpoint_reached, self.num_computed_tokens))
         for form, table in self.tables.items():
             if form.window is None:
                 continue

@@ -101,6 +101,9 @@ class SwapController:
         self.config = config
         self._prefetched: list[SwapIn] = []
         self._restored: dict[tuple[str, BlockHash], tuple[Tier, int, float]] = {}
+        self._refused: dict[tuple[str, BlockHash], Reason] = {}
+        """(pool, hash) of prefetched copies the tiers refused, with the reason (``epoch_changed``:
+        the entry was dropped meanwhile), until a lookup that needed them claims it."""
 
     # -- the tier view ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -269,8 +272,12 @@ class SwapController:
             if not s.future.done():
                 pending.append(s)
                 continue
-            self.tiers.finish_swap_in(s)
+            refused = self.tiers.finish_swap_in(s)
             self.recovery.release(s.entry.nbytes, 0)
+            if refused is not None:
+                self._refused[(s.pool.name, s.entry.block_hash)] = refused
+                if len(self._refused) > sum(p.num_blocks for p in self.form_set.pools()):
+                    self._refused.pop(next(iter(self._refused)))
             if s.published:
                 key = (s.pool.name, s.entry.block_hash)
                 self._restored[key] = (s.entry.tier, s.entry.nbytes, time.perf_counter() - s.started)
@@ -296,6 +303,22 @@ class SwapController:
         missing = self.form_set.missing_reasons()
         prior = tuple(dataclasses.replace(f, reason=missing[f.form]) for f in plan.forms)
         return mark_recovered(plan, dataclasses.replace(plan, forms=prior), found, missing)
+
+    def claim_refused(self, hashes: Sequence[BlockHash], plan: ResumePlan) -> dict[Form, Reason]:
+        """Forms of ``plan`` whose matched prefix has an object a prefetch's copy of was refused
+        (once each), with the refusal's reason — what a lookup reports instead of the device's
+        ``kv_evicted``-like reason."""
+        if not self._refused:
+            return {}
+        matched = hashes[: plan.hash_hit_tokens // self.form_set.unit_tokens]
+        out: dict[Form, Reason] = {}
+        for f in self.form_set.forms:
+            for pool in f.pools:
+                for h in matched:
+                    reason = self._refused.pop((pool.name, h), None)
+                    if reason is not None:
+                        out.setdefault(f.form, reason)
+        return out
 
     # -- offload ---------------------------------------------------------------------------------
     def offload_all(self, tier: Tier, *, evict: bool = True) -> int:

@@ -93,5 +93,5 @@ def tail_replay_plan(
     verdicts = sorted([*alt.forms, replayed], key=lambda f: list(Form).index(f.form))
     plan = dataclasses.replace(alt, forms=tuple(verdicts), replayed_tokens=replay)
     if plan.limiting_form is None:  # what keeps recoverable below L: the replayed form
-        plan = dataclasses.replace(plan, limiting_form=Form.LINEAR_STATE, limiting_reason=replayed.reason)
+        plan = dataclasses.replace(plan, limiting_form=Form.LINEAR_STATE, limiting_reason=replayed.reason, limiting_forms=(Form.LINEAR_STATE,))
     return plan

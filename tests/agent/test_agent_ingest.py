@@ -56,9 +56,9 @@ def test_json_batch_stores_exact_rows(loaded: TestClient, store: Store, base: in
         ).fetchone()
     assert requests == [
         (naive_utc(base + 2), "e1", "r1", "m1", 1000, 10, 800, 600, 600, 0, 400, False,
-         "swa_window", "swa_evicted", "exact", 0.125, 1.5, 0.0, 0.0),
+         "swa_window", "swa_evicted", "exact", 0.125, 1.5, 0.0, 0.0, []),
         (naive_utc(base + 4), "e1", "r2", "m1", 3000, 10, 3000, 2600, 2400, 200, 400, True,
-         "linear_state", "linear_checkpoint_missing", "tail_replay", 0.1, 0.5, 0.0, 0.0),
+         "linear_state", "linear_checkpoint_missing", "tail_replay", 0.1, 0.5, 0.0, 0.0, []),
     ]  # fmt: skip
     assert lookups == [
         (naive_utc(base + 1), "r1", "full_kv", "device", "hit", "none", 800, 800, 600, 0, False, 0.0, 0, 0, 0, 0),
@@ -134,6 +134,11 @@ def _without(events: list[dict[str, Any]], index: int, key: str) -> list[dict[st
     return changed
 
 
+TIE = ["full_kv", "swa_window"]
+"""Two forms tied as limiting the resume point (``limiting_forms``), in ``Form`` order."""
+ONE = ["linear_state"]
+TWICE = ["linear_state", "full_kv", "linear_state"]
+
 MALFORMED: list[tuple[str, Any, str, str]] = [
     # (case, body builder(base) -> bytes, expected path, substring of the reason)
     (
@@ -201,6 +206,26 @@ MALFORMED: list[tuple[str, Any, str, str]] = [
         lambda b: json_body(batch(2, _with(known_events(b), 5, recomputed_tokens=401))),
         "$.events[5].prompt_tokens",
         "recoverable + replayed + recomputed = 3001 != prompt_tokens 3000",
+    ),
+    (
+        "limiting_forms without the limiting_form",
+        lambda b: json_body(batch(2, _with(known_events(b), 5, limiting_forms=TIE))),
+        "$.events[5].limiting_forms",
+        "does not contain limiting_form linear_state",
+    ),
+    (
+        "limiting_forms but no limiting_form",
+        lambda b: json_body(
+            batch(2, _with(known_events(b), 5, limiting_form=None, limiting_forms=ONE))
+        ),
+        "$.events[5].limiting_forms",
+        "does not contain limiting_form None",
+    ),
+    (
+        "limiting_forms names a form twice",
+        lambda b: json_body(batch(2, _with(known_events(b), 5, limiting_forms=TWICE))),
+        "$.events[5].limiting_forms",
+        "names a form twice",
     ),
     (
         "integer past its column",
@@ -305,11 +330,47 @@ def test_every_event_field_has_its_column(store: Store) -> None:
     tables agree column for column, so a new event field cannot be silently dropped."""
     from agent.ingest import TABLE_SPECS
 
-    duck = {"int64": "BIGINT", "int32": "INTEGER", "string": "VARCHAR", "bool": "BOOLEAN", "double": "DOUBLE", "timestamp[us]": "TIMESTAMP"}
+    duck = {
+        "int64": "BIGINT", "int32": "INTEGER", "string": "VARCHAR", "bool": "BOOLEAN", "double": "DOUBLE",
+        "timestamp[us]": "TIMESTAMP", "list<item: string>": "VARCHAR[]",
+    }  # fmt: skip
     with store.cursor() as cur:
         for spec in TABLE_SPECS.values():
             described = [(name, kind) for name, kind, *_ in cur.execute(f"DESCRIBE {spec.table}").fetchall()]
             expected = [(name, duck[str(dtype)]) for name, dtype in spec.columns]
-            # columns added by later migrations follow ingested_at (DuckDB appends them)
-            assert [c for c in described if c[0] != "ingested_at"] == [c for c in expected if c[0] != "ingested_at"], spec.table
+            # DuckDB appends a later migration's column, wherever its field sits in the struct (rows
+            # are inserted by column name): same names and types, each once
+            assert len(described) == len(expected) and dict(described) == dict(expected), spec.table
             assert ("ingested_at", "TIMESTAMP") in described, spec.table
+
+
+def test_limiting_forms_round_trip_through_the_api(
+    client: TestClient, store: Store, base: int
+) -> None:
+    """A tie (full_kv and swa_window both at L*) is stored as a list, in the event's order, and
+    read back by ``recent_requests``; a request without ties reads []. JSON and msgpack alike."""
+    tied = request_event(
+        base + 2,
+        "r-tie",
+        hash_hit_tokens=800,
+        resume_tokens=512,
+        recoverable_tokens=512,
+        recomputed_tokens=488,
+        limiting_form="swa_window",
+        limiting_reason="swa_evicted",
+        limiting_forms=["full_kv", "swa_window"],
+    )
+    first = client.post("/v1/events", content=json_body(batch(1, [tied])), headers=JSON)
+    assert first.json()["status"] == "stored"
+    mp = [{**tied, "request_id": "r-tie-mp"}, request_event(base + 3, "r-none")]
+    second = client.post("/v1/events", content=msgspec.msgpack.encode(batch(2, mp)), headers=MSGPACK)  # fmt: skip
+    assert second.json()["status"] == "stored"
+    expected = {"r-none": [], "r-tie": TIE, "r-tie-mp": TIE}
+    with store.cursor() as cur:
+        stored = cur.execute("SELECT request_id, limiting_forms FROM requests").fetchall()
+    assert dict(stored) == expected and len(stored) == 3
+    response = client.get("/v1/query/recent_requests", params={"since_seconds": 366 * 86400})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    at = answer["columns"].index("request_id"), answer["columns"].index("limiting_forms")
+    assert {row[at[0]]: row[at[1]] for row in answer["rows"]} == expected

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from agent_testdata import batch, json_body, known_events, minute_start
+from agent_testdata import batch, json_body, known_events, lookup_event, minute_start, request_event
 from fastapi.testclient import TestClient
 
 from agent.app import create_app
@@ -258,13 +258,56 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
     con.close()
     store = Store.open(path)
     try:
-        assert store.open_report.applied == (2, 3, 4, 5, 6, 7, 8) and store.schema_version == SCHEMA_VERSION
+        assert store.open_report.applied == (2, 3, 4, 5, 6, 7, 8, 9)
+        assert store.schema_version == SCHEMA_VERSION
         with store.cursor() as cur:  # migration 5: old alert rows are transitions
             assert cur.execute("SELECT state, event, receiver, error FROM alerts").fetchall() == [("firing", "transition", None, None)]
         resent = ingest_batch(store, decode_batch(json_body(batch(0, known_events(minute_start())))), received_at=utc_now())
         assert resent.status == "duplicate"
         with store.cursor() as cur:
-            rows = cur.execute("SELECT request_id, ttft_seconds, predicted_seconds, actual_seconds FROM requests").fetchall()
-        assert rows == [("r1", 0.5, 0.0, 0.0)]
+            rows = cur.execute(
+                "SELECT request_id, ttft_seconds, predicted_seconds, actual_seconds, limiting_forms FROM requests"
+            ).fetchall()
+        assert rows == [("r1", 0.5, 0.0, 0.0, [])]
     finally:
         store.close()
+
+
+def test_a_version_8_database_gains_limiting_forms_and_keeps_its_rows(tmp_path: Path) -> None:
+    """Migration 9 adds ``requests.limiting_forms``: a request stored under version 8 keeps every
+    value and reads [] there; after it a tie is stored as a list, and a ``tier_incomplete``
+    lookup (a reason newer than the stored rows: reasons are VARCHAR) is accepted."""
+    import duckdb
+
+    from agent.store import _migrate
+
+    path = tmp_path / "v8.duckdb"
+    con = duckdb.connect(str(path))
+    _migrate(con, MIGRATIONS[:8])
+    con.execute(
+        "INSERT INTO requests VALUES (now()::TIMESTAMP, 'e1', 'r-old', 'm1', 100, 1, 64, 48, 48, 0, 52, false, "
+        "'swa_window', 'swa_evicted', 'exact', 0.5, 0.6, now()::TIMESTAMP, 0.2, 0.3)"
+    )
+    con.close()
+    with Store.open(path) as store:
+        assert store.open_report.applied == (9,) and store.schema_version == SCHEMA_VERSION == 9
+        tie = request_event(
+            minute_start() + 1, "r-tie", hash_hit_tokens=64, resume_tokens=48, recoverable_tokens=48, recomputed_tokens=952,
+            limiting_form="full_kv", limiting_reason="tier_incomplete", limiting_forms=["full_kv", "swa_window"],
+        )  # fmt: skip
+        lost = {"tier": "host", "outcome": "invalidated", "reason": "tier_incomplete"}
+        tier = lookup_event(minute_start() + 1, "r-tie", **lost)
+        body = json_body(batch(1, [tier, tie]))
+        stored = ingest_batch(store, decode_batch(body), received_at=utc_now())
+        assert stored.status == "stored"
+        with store.cursor() as cur:
+            requests = cur.execute(
+                "SELECT request_id, resume_tokens, limiting_form, limiting_reason, predicted_seconds, actual_seconds, "
+                "limiting_forms FROM requests ORDER BY request_id"
+            ).fetchall()
+            reasons = cur.execute("SELECT reason FROM cache_lookups").fetchall()
+        assert requests == [
+            ("r-old", 48, "swa_window", "swa_evicted", 0.2, 0.3, []),
+            ("r-tie", 48, "full_kv", "tier_incomplete", 0.0, 0.0, ["full_kv", "swa_window"]),
+        ]
+        assert reasons == [("tier_incomplete",)]

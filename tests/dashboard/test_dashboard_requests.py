@@ -144,3 +144,27 @@ def test_a_malformed_span_in_the_url_is_reported_and_ignored(agent: RunningAgent
     assert at.dataframe[0].value["request_id"].tolist() == ["r-cold", "r-swa"]
     at = page(agent, monkeypatch, start=str(NOW), end=str(NOW - 60))
     assert "start must be before end" in at.warning[0].value
+
+
+def test_a_tie_of_limiting_forms_is_named_in_the_caption(
+    agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """r-tie: full_kv and swa_window both stop at L* (limiting_forms holds both, swa_window is the
+    one named); r-one: limiting_forms holds only its limiting form, which is no tie."""
+    events = [
+        request("r-tie", NOW - 8, 2048, 1024, 512, limiting_form="swa_window", limiting_reason="swa_evicted",
+                limiting_forms=["full_kv", "swa_window"]),
+        request("r-one", NOW - 7, 2048, 1024, 512, limiting_form="full_kv", limiting_reason="tier_incomplete",
+                limiting_forms=["full_kv"]),
+    ]  # fmt: skip
+    body = {"schema_version": 1, "engine_id": "e1", "seq": 1, "sent_at": NOW, "events": events}
+    assert httpx.post(f"{agent.url}/v1/events", json=body, timeout=10).json()["status"] == "stored"
+    at = page(agent, monkeypatch)
+    at.selectbox(key="request_chosen").set_value("r-tie (e1)").run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert at.caption[-1].value == "Limited by swa_window (swa_evicted; tied: full_kv, swa_window)."
+    at.selectbox(key="request_chosen").set_value("r-one (e1)").run()
+    assert at.caption[-1].value == "Limited by full_kv (tier_incomplete)."
+    # r-swa was stored without limiting_forms
+    at.selectbox(key="request_chosen").set_value("r-swa (e1)").run()
+    assert at.caption[-1].value == "Limited by swa_window (swa_evicted)."

@@ -245,7 +245,9 @@ def test_c9_indexer_state_is_a_mandatory_part_of_the_offloaded_prefix() -> None:
     indexer = out.cache.form(Form.INDEXER_STATE)
     assert (indexer.outcome, indexer.reason) == (Outcome.INVALIDATED, Reason.INDEXER_STALE)
     assert 0 < out.resume_tokens < 128  # the deepest boundary where every form could be restored
-    assert out.cache.form(Form.COMPRESSED_KV).outcome == Outcome.INVALIDATED
+    compressed = out.cache.form(Form.COMPRESSED_KV)  # restorable to the whole prefix: not what limited L*
+    assert (compressed.outcome, compressed.usable_tokens, compressed.tier) == (Outcome.RECOVERED, 128, Tier.HOST)
+    assert (out.cache.limiting_form, out.cache.limiting_reason) == (Form.INDEXER_STATE, Reason.INDEXER_STALE)
     assert lookups(sink)[Form.INDEXER_STATE].reason == Reason.INDEXER_STALE
     assert_no_leases(partial)
 
@@ -395,8 +397,14 @@ def test_a_swap_in_below_the_hash_hit_still_reports_its_bytes() -> None:
     llm.offload(Tier.HOST)
     out = assert_warm_equals_cold(llm, [*prefix[:150], *tokens(20, 36)])  # hash hit 144, checkpoint at 128
     assert (out.resume_tokens, out.cache.hash_hit_tokens, out.cache.admission) == (128, 144, Admission.SWAP_IN)
-    for f in out.forms:  # they lost tokens past L*, so they stay invalidated, but the swap-in shows
-        assert f.outcome == Outcome.INVALIDATED and f.tier == Tier.HOST and f.bytes_moved > 0, f
+    for f in out.forms:  # every form's swap-in shows, below L* too
+        assert f.tier == Tier.HOST and f.bytes_moved > 0, f
+    # the host tier held full_kv's pages to the hash hit: restorable, so not the limit; the
+    # recurrent state has no checkpoint past 128 (it lost tokens past L* and stays invalidated)
+    full, linear = out.cache.form(Form.FULL_KV), out.cache.form(Form.LINEAR_STATE)
+    assert (full.outcome, full.reason, full.usable_tokens, full.recoverable_tokens) == (Outcome.RECOVERED, Reason.KV_EVICTED, 144, 128)
+    assert (linear.outcome, linear.reason, linear.usable_tokens) == (Outcome.INVALIDATED, Reason.LINEAR_CHECKPOINT_MISSING, 128)
+    assert (out.cache.limiting_form, out.cache.limiting_forms) == (Form.LINEAR_STATE, (Form.LINEAR_STATE,))
 
 
 def test_one_engine_per_disk_tier_directory(tmp_path: Path) -> None:
