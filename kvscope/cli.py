@@ -534,7 +534,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvscope.bench_ttft import run
 
     try:
-        doc = run(args.model, args.prefix_tokens, args.suffix_tokens, args.text, args.device)
+        doc = run(args.model, args.prefix_tokens, args.suffix_tokens, args.text, args.device, args.plans)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     print(json.dumps(doc))

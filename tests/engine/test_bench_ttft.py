@@ -35,6 +35,20 @@ def test_bench_ttft_prints_one_object_with_every_plan(tmp_path: Path, capsys: py
     assert rows[(512, "replay_10")]["replayed_tokens"] > rows[(512, "replay_5")]["replayed_tokens"]
 
 
+def test_bench_ttft_times_only_the_plans_asked_for_besides_cold_and_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "held_out.txt"
+    text.write_bytes(("To be, or not to be, that is the question:\n" * 30).encode())
+    argv = ["bench", "ttft", "--model", "kvscope_hybrid-tiny", "--prefix-tokens", "256", "--suffix-tokens", "32"]
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--text", str(text), "--plans", "exact", "--json"])
+    assert done.value.code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["plan"] for r in doc["results"]] == ["cold", "exact"]
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--text", str(text), "--plans", "warm"])
+    assert done.value.code == 2 and "invalid choice: 'warm'" in capsys.readouterr().err
+
+
 def test_bench_ttft_without_its_text_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         main(["bench", "ttft", "--model", "kvscope_hybrid-tiny", "--text", str(tmp_path / "missing.txt")])
