@@ -205,12 +205,17 @@ class IndexerStateForm:
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
         """``indexer_stale`` when keys or pending rows there were evicted or carry another
-        version (the index would lag the compressed KV), else ``below_granularity``."""
+        version (the index would lag the compressed KV), else ``below_granularity`` — also when
+        the point needs pending rows that were never stored there (whatever became of its key
+        pages, it was never a point the indexer could serve)."""
+        slots = self.slots.loss_reason(hashes, resume_tokens, Reason.INDEXER_STALE, Reason.INDEXER_STALE)
+        if slots == Reason.BELOW_GRANULARITY and not self.slots.usable_at(hashes, resume_tokens):
+            return slots
         for k in self.keys:
             reason = k.loss_reason(hashes, resume_tokens, Reason.INDEXER_STALE, Reason.INDEXER_STALE)
             if reason != Reason.NONE:
                 return reason
-        return self.slots.loss_reason(hashes, resume_tokens, Reason.INDEXER_STALE, Reason.INDEXER_STALE)
+        return slots
 
     def epoch_at(self, hashes: Sequence[BlockHash], resume_tokens: int) -> int:
         return self.slots.epoch_at(hashes, resume_tokens)

@@ -234,8 +234,14 @@ class LinearCheckpointForm:
         return [ObjectStore(self.pool, self.stored_tensors(), _no_stamp, _set_no_stamp)]
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
-        """No checkpoint at ``resume_tokens``: evicted or never taken, it is missing."""
+        """No checkpoint at ``resume_tokens``: evicted or never taken, it is missing (case C1)."""
         return Reason.LINEAR_CHECKPOINT_MISSING
+
+    def left_device_between(self, hashes: Sequence[BlockHash], low: int, high: int) -> bool:
+        """Whether a checkpoint at some multiple of U in (``low``, ``high``] was taken and left
+        the device (evicted, or held only by a lower tier) — as opposed to never taken."""
+        u = self.unit_tokens
+        return any(self.pool.was_evicted(hashes[p // u - 1]) for p in range(low + u, high + 1, u))
 
     def epoch_at(self, hashes: Sequence[BlockHash], resume_tokens: int) -> int:
         """Epoch of the checkpoint at ``resume_tokens`` (0 at 0 or when absent)."""

@@ -185,7 +185,13 @@ class Planner:
         assert self.swap is not None
         result = self.swap.swap_in(hashes, swap, chosen.total_swap_bytes)
         after = self.lookup(hashes, prompt_tokens, vetoes, output_tokens=output_tokens, replay=False, hit_tokens=device.hash_hit_tokens)
-        return swapped_verdicts(after, swap.plan, device, result.moved, result.failures, self.form_set.missing_reasons())
+        left: list[Form] = []
+        linear = self.form_set.linear
+        if linear is not None:  # its reason does not say whether the missing checkpoint was ever taken
+            target = min(device.hash_hit_tokens, resume_limit(prompt_tokens, self.form_set.unit_tokens))
+            if linear.left_device_between(hashes, swap.plan.form(Form.LINEAR_STATE).usable_tokens, target):
+                left.append(Form.LINEAR_STATE)
+        return swapped_verdicts(after, swap.plan, device, result.moved, result.failures, self.form_set.missing_reasons(), left)
 
     def prefetch(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> int:
         """Start swapping in, without waiting, what a request with this prompt would need from

@@ -6,13 +6,15 @@ back (:func:`mark_recovered`). Pure functions of frozen :class:`ResumePlan` valu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from engine.cache.coordinator import ResumePlan, limiting_set, name_limiting
 from engine.events import Form, Outcome, Reason, Tier
 
 EVICTION_REASONS = frozenset({Reason.KV_EVICTED, Reason.SWA_EVICTED, Reason.COMPRESSED_EVICTED, Reason.TAIL_MISSING})
-"""Reasons that say a form's state left the device (what a lower tier could have kept)."""
+"""Reasons that say a form's state left the device (what a lower tier could have kept).
+``linear_checkpoint_missing`` also covers a checkpoint never taken, so the planner asks the
+form itself; ``indexer_stale`` stays what it is (case C9: a restore missing the index says so)."""
 
 
 def relabel(plan: ResumePlan, reasons: Mapping[Form, Reason]) -> ResumePlan:
@@ -42,6 +44,7 @@ def swapped_verdicts(
     moved: Mapping[Form, tuple[Tier, int, float]],
     failures: Mapping[Form, Reason],
     missing: Mapping[Form, Reason],
+    left_device: Collection[Form] = (),
 ) -> ResumePlan:
     """The verdicts of a request that ran a swap-in: L* is ``after``'s (the device plan made
     again once the copies finished); every form whose copies arrived is judged in the tier view
@@ -52,8 +55,9 @@ def swapped_verdicts(
     otherwise ``tier_view``'s verdict, with the tier, bytes and seconds of its swap-in
     (``moved``) and outcome ``recovered`` (reason: why its device copy was missing, from
     ``device``, else ``missing``) when it lost nothing in the tier view. A form that lost tokens
-    because its state left the device (:data:`EVICTION_REASONS`) while another form's state
-    reached deeper reports ``tier_incomplete``: the tiers kept the others' objects, not its own.
+    because its state left the device (:data:`EVICTION_REASONS`, or a form in ``left_device``)
+    while another form's state reached deeper reports ``tier_incomplete``: the tiers kept the
+    others' objects, not its own.
     The limiting forms follow the usable tokens (:func:`~engine.cache.coordinator.limiting_set`).
     """
     forms = []
@@ -77,7 +81,10 @@ def swapped_verdicts(
     deepest = max(f.usable_tokens for f in forms)
     forms = [
         dataclasses.replace(f, reason=Reason.TIER_INCOMPLETE)
-        if f.outcome is Outcome.INVALIDATED and f.form not in failures and f.reason in EVICTION_REASONS and f.usable_tokens < deepest
+        if f.outcome is Outcome.INVALIDATED
+        and f.form not in failures
+        and (f.reason in EVICTION_REASONS or f.form in left_device)
+        and f.usable_tokens < deepest
         else f
         for f in forms
     ]
