@@ -186,9 +186,10 @@ class RequestEvent(_Event, tag="request", kw_only=True):
     limiting_form: Form | None = None
     limiting_reason: Reason = Reason.NONE
     limiting_forms: tuple[Form, ...] = ()
-    """Every form whose own usable length equals the resume point L* when a form lowered it
-    (ties included, in :class:`Form` order); ``limiting_form`` is the one named among them by the
-    rule of docs/cache-forms.md. Empty when no form lowered L*."""
+    """The limiting forms, in :class:`Form` order: of the forms that lost tokens, those with the
+    smallest usable length (the forms whose usable length equals L* whenever one does; after a
+    swap-in, usable in the tier view). ``limiting_form`` is the one named among them by the rule
+    of docs/cache-forms.md; more than one is a tie. Empty when no form lowered L*."""
     admission: Admission
     ttft_seconds: NonNegFloat
     e2e_seconds: NonNegFloat

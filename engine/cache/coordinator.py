@@ -118,14 +118,17 @@ def plan_resume(
     ``hit``.
 
     A lost form's reason is the one at the highest point it lost where its state was ever stored
-    (:func:`stored_loss_reason`). The limiting forms are those of :func:`limiting_set`, the
+    (:func:`stored_loss_reason`): the points above its usable length, or for a form usable at
+    the target that lowered L* in the fixed point, those from where it landed to where it was
+    asked. The limiting forms are those of :func:`limiting_set`, the
     named one is :func:`name_limiting`'s. None (and no limiting forms) when nothing lowered L*:
     the reason is then ``prompt_end`` if the prompt end capped L*, ``no_prefix_match`` without a
     hash hit, else ``none``.
     """
     target = min(hash_hit_tokens, resume_limit(prompt_tokens, unit_tokens))
     usable = {f.form: f.resume_at_most(hashes, target) for f in forms}
-    first_loss = {f.form: target for f in forms if usable[f.form] < target}
+    # per form that lost tokens, the points it lost: (low, high]
+    lost = {f.form: (usable[f.form], target) for f in forms if usable[f.form] < target}
     resume = target
     last: ResumableForm | None = None
     changed = True
@@ -134,10 +137,10 @@ def plan_resume(
         for f in forms:
             lowered = f.resume_at_most(hashes, resume)
             if lowered < resume:
-                first_loss.setdefault(f.form, resume)
+                lost.setdefault(f.form, (lowered, resume))  # usable at the target, not below it
                 resume, last, changed = lowered, f, True
 
-    reasons = {f.form: stored_loss_reason(f, hashes, usable[f.form], first_loss[f.form], unit_tokens) for f in forms if f.form in first_loss}
+    reasons = {f.form: stored_loss_reason(f, hashes, *lost[f.form], unit_tokens) for f in forms if f.form in lost}
     verdicts = []
     for f in forms:
         u = usable[f.form]
@@ -176,15 +179,15 @@ def plan_resume(
     )
 
 
-def stored_loss_reason(form: ResumableForm, hashes: Sequence[BlockHash], usable: int, limit: int, unit_tokens: int) -> Reason:
-    """Why ``form`` lost the tokens in (``usable``, ``limit``]: its reason at the highest point
-    there where its state was ever stored (a point that is not gives ``below_granularity``);
-    ``below_granularity`` only when no point there ever was. A downward-closed form (its
-    ``downward_closed`` attribute true) gives the same reason at every point: asked once."""
-    reason = form.loss_reason(hashes, limit)
-    if reason != Reason.BELOW_GRANULARITY or getattr(form, "downward_closed", False):
-        return reason
-    for point in range(limit - unit_tokens, usable, -unit_tokens):
+def stored_loss_reason(form: ResumableForm, hashes: Sequence[BlockHash], low: int, high: int, unit_tokens: int) -> Reason:
+    """Why ``form`` cannot serve the points (``low``, ``high``] (multiples of U): its reason at
+    the highest of them where its state was ever stored (a point that never was gives
+    ``below_granularity``); ``below_granularity`` only when none ever was. A downward-closed form
+    (its ``downward_closed`` attribute true) is asked at ``low`` + U, the first point it lacks:
+    every higher point lacks the same object first. Cost: one ``loss_reason`` per point scanned."""
+    if getattr(form, "downward_closed", False):
+        return form.loss_reason(hashes, low + unit_tokens)
+    for point in range(high, low, -unit_tokens):
         reason = form.loss_reason(hashes, point)
         if reason != Reason.BELOW_GRANULARITY:
             return reason

@@ -175,13 +175,16 @@ class PagedKVForm:
         return 0
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
-        """Why this form cannot resume at ``resume_tokens``: a page it needs there was evicted
-        (``kv_evicted`` / ``swa_evicted``), or was never stored — the window form stores pages
-        only behind recurrent checkpoints, so a point between them is ``below_granularity``."""
-        missing = [hashes[p] for p in self.needed_pages(resume_tokens) if not self.pool.present(hashes[p])]
-        if not missing or any(self.pool.was_evicted(h) for h in missing):
-            return self.evicted_reason
-        return Reason.BELOW_GRANULARITY
+        """Why this form cannot resume at ``resume_tokens``: every page it lacks there was stored
+        and evicted (``kv_evicted`` / ``swa_evicted``: the point was a stored one), or one was
+        never stored — the window form stores pages only behind recurrent checkpoints, so a point
+        between them is ``below_granularity``. Newest pages first (a never-stored one ends it)."""
+        pool = self.pool
+        for p in reversed(self.needed_pages(resume_tokens)):
+            h = hashes[p]
+            if not pool.present(h) and not pool.was_evicted(h):
+                return Reason.BELOW_GRANULARITY
+        return self.evicted_reason
 
 
 class LinearCheckpointForm:

@@ -31,7 +31,7 @@ from engine.cache.form_set import FormSet
 from engine.cache.hashing import BlockHash
 from engine.cache.tiers import SwapIn, TierEntry, TierStore, fingerprint_text
 from engine.cache.verdicts import mark_recovered
-from engine.events import Form, Reason, Tier
+from engine.events import Form, Outcome, Reason, Tier
 
 
 def open_tiers(config: CacheConfig, form_set: FormSet) -> TierStore | None:
@@ -305,19 +305,21 @@ class SwapController:
         return mark_recovered(plan, dataclasses.replace(plan, forms=prior), found, missing)
 
     def claim_refused(self, hashes: Sequence[BlockHash], plan: ResumePlan) -> dict[Form, Reason]:
-        """Forms of ``plan`` whose matched prefix has an object a prefetch's copy of was refused
-        (once each), with the refusal's reason — what a lookup reports instead of the device's
-        ``kv_evicted``-like reason."""
+        """Forms of ``plan`` that lost tokens because an object they lack at the first point they
+        lost (usable + U) is one a prefetch's copy of was refused, with the refusal's reason
+        (once each) — what the lookup reports instead of the device's ``kv_evicted``-like one."""
         if not self._refused:
             return {}
-        matched = hashes[: plan.hash_hit_tokens // self.form_set.unit_tokens]
+        u = self.form_set.unit_tokens
+        lost = {f.form: f.usable_tokens + u for f in plan.forms if f.outcome is Outcome.INVALIDATED and f.usable_tokens + u <= plan.hash_hit_tokens}
         out: dict[Form, Reason] = {}
         for f in self.form_set.forms:
-            for pool in f.pools:
-                for h in matched:
-                    reason = self._refused.pop((pool.name, h), None)
-                    if reason is not None:
-                        out.setdefault(f.form, reason)
+            if f.form not in lost:
+                continue
+            for pool, h in f.needed_keys(hashes, lost[f.form]):
+                reason = self._refused.pop((pool.name, h), None) if pool.lookup(h) is None else None
+                if reason is not None:
+                    out.setdefault(f.form, reason)
         return out
 
     # -- offload ---------------------------------------------------------------------------------
