@@ -92,3 +92,26 @@ def test_a_real_cause_is_named_before_below_granularity() -> None:
     assert plan.resume_tokens == 0
     assert (plan.limiting_form, plan.limiting_reason) == (Form.LINEAR_STATE, Reason.LINEAR_CHECKPOINT_MISSING)
     assert plan.form(Form.SWA_WINDOW).reason == Reason.BELOW_GRANULARITY
+
+
+def test_a_form_the_fixed_point_lowered_is_asked_over_every_point_it_lost() -> None:
+    """Found in review. The window is usable at the target 96 but not at 64, 48 or below; the
+    recurrent form lowers L* 96 → 64, the window 64 → 0. The window's lost points are (0, 64]:
+    its reason is the one at 48 (its pages there were evicted), the highest stored point, not
+    ``below_granularity`` from 64 alone."""
+    class ByPoint:
+        def __init__(self, form: Form, points: set[int], reasons: dict[int, Reason]) -> None:
+            self.form, self.points, self.reasons = form, points, reasons
+
+        def resume_at_most(self, hashes: object, limit_tokens: int) -> int:
+            return max(p for p in self.points if p <= limit_tokens)
+
+        def loss_reason(self, hashes: object, resume_tokens: int) -> Reason:
+            return self.reasons.get(resume_tokens, Reason.LINEAR_CHECKPOINT_MISSING)
+
+    granular = {64: Reason.BELOW_GRANULARITY, 32: Reason.BELOW_GRANULARITY, 16: Reason.BELOW_GRANULARITY}
+    window = ByPoint(Form.SWA_WINDOW, {0, 96}, granular | {48: Reason.SWA_EVICTED})
+    linear = ByPoint(Form.LINEAR_STATE, {0, 48, 64}, {})
+    plan = plan_resume([window, linear], [b"h"] * 7, 100, 96, 16)
+    assert plan.resume_tokens == 0
+    assert plan.form(Form.SWA_WINDOW).reason == Reason.SWA_EVICTED

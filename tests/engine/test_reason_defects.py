@@ -132,3 +132,53 @@ def test_indexer_keys_evicted_where_no_rows_were_ever_stored_is_below_granularit
     assert plan.hash_hit_tokens >= 112 and indexer.usable_tokens == 96
     assert indexer.reason is Reason.BELOW_GRANULARITY
     assert_no_leases(llm)
+
+
+def test_a_window_point_needing_a_never_stored_page_is_not_a_stored_point() -> None:
+    """Found in review. Checkpoints at 128 and 256 store the window pages 4–7 and 12–15; a
+    follow-up's hash hit is 208, where the window needs pages 9–12 — 9–11 never stored. Evicting
+    page 12 (which only the point 256 reads) must not turn the window's loss past 128 into
+    ``swa_evicted`` nor make it the named limit: no point in (128, 208] was ever stored."""
+    cfg = CacheConfig(checkpoint_interval_tokens=128, max_prefill_chunk_tokens=128)
+    llm = LLM("kvscope_hybrid-tiny", device="cpu", cache=cfg, check_invariants=True)
+    prompt = tokens(260, 3)
+    llm.score(prompt)
+    swa = next(f for f in llm.cache.kv_forms if f.form is Form.SWA_WINDOW)
+    block = swa.pool.lookup(llm.cache.block_hashes(prompt)[12])
+    assert block is not None
+    swa.pool.evict(block)
+    follow_up = [*prompt[:215], *tokens(20, 4)]
+    plan = llm.cache.lookup(llm.cache.block_hashes(follow_up), len(follow_up))
+    assert (plan.hash_hit_tokens, plan.resume_tokens) == (208, 128)
+    window = plan.form(Form.SWA_WINDOW)
+    assert (window.usable_tokens, window.reason) == (128, Reason.BELOW_GRANULARITY)
+    assert (plan.limiting_form, plan.limiting_reason) == (Form.LINEAR_STATE, Reason.LINEAR_CHECKPOINT_MISSING)
+
+
+def test_a_refused_prefetch_past_the_first_gap_does_not_relabel_an_eviction() -> None:
+    """Found in review. A prefetch's copy of full_kv page 3 is refused (its entry dropped while in
+    flight), then page 1 is evicted from the device and from every tier: full_kv lacks page 1
+    first — a plain eviction, ``kv_evicted``, not the refusal's ``epoch_changed``."""
+    sink = ListSink()
+    cfg = CacheConfig(checkpoint_interval_tokens=64, max_prefill_chunk_tokens=64, host_tier_bytes=64 << 20)
+    llm = LLM("qwen3_next-tiny", device="cpu", cache=cfg, telemetry=sink, check_invariants=True, cost_model=FAST,
+              faults=Faults(read_during_swap_in=True))  # fmt: skip
+    prompt = tokens(128, 5)
+    llm.score(prompt)
+    llm.offload(Tier.HOST)
+    follow_up = [*prompt, *tokens(20, 6)]
+    hashes = llm.cache.block_hashes(follow_up)
+    assert llm.prefetch(follow_up) > 0
+    tiers = llm.cache.tiers
+    assert tiers is not None
+    tiers.drop("full_kv", hashes[3])  # in flight: refused when it lands
+    llm.cache.settle(wait=True)  # the refusal is remembered for the next lookup
+    full = next(f for f in llm.cache.kv_forms if f.form is Form.FULL_KV)
+    block = full.pool.lookup(hashes[1])
+    assert block is not None
+    full.pool.evict(block)
+    tiers.drop("full_kv", hashes[1])
+    out = llm.score(follow_up)
+    _, forms = _events(sink, out.request_id)
+    assert (forms[Form.FULL_KV].usable_tokens, forms[Form.FULL_KV].reason) == (16, Reason.KV_EVICTED)
+    assert_no_leases(llm)
