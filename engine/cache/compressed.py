@@ -114,15 +114,16 @@ class CompressedKVForm:
         return intersect_groups({g.pool.name: g.resume_at_most(hashes, limit_tokens) for g in self.groups}).resume_tokens
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
-        """The first group's reason; ``group_disagree`` when a group simply lacks a page (never
-        evicted) that another group holds at that point."""
+        """When a group never stored its page there: ``group_disagree`` if another group holds
+        its own, else ``below_granularity`` (the point was never servable, whatever became of the
+        other groups' pages); otherwise the first group's reason."""
         reasons = [
             g.loss_reason(hashes, resume_tokens, Reason.COMPRESSED_EVICTED, Reason.COMPRESSED_VERSION_MISMATCH)
             for g in self.groups
         ]
+        if Reason.BELOW_GRANULARITY in reasons:
+            return Reason.GROUP_DISAGREE if Reason.NONE in reasons else Reason.BELOW_GRANULARITY
         for reason in reasons:
-            if reason == Reason.BELOW_GRANULARITY and Reason.NONE in reasons:
-                return Reason.GROUP_DISAGREE
             if reason != Reason.NONE:
                 return reason
         raise RuntimeError(f"compressed_kv: asked why it cannot resume at {resume_tokens}, where it can")
