@@ -126,7 +126,10 @@ class EntryPages:
         return min(limit, present * self.page_tokens + self.page_tokens - u)
 
     def first_missing(self, hashes: Sequence[BlockHash], resume_tokens: int) -> int | None:
-        return next((p for p in range(self.pages_needed(resume_tokens)) if self.block_of(hashes, p) is None), None)
+        """The first page a resume at ``resume_tokens`` lacks in the pool's view (in tier view, a
+        page a lower tier holds with the right stamp is not lacking); None when none is."""
+        pt = self.page_tokens
+        return next((p for p in range(self.pages_needed(resume_tokens)) if self._end_of(self.page_hash(hashes, p)) != (p + 1) * pt), None)
 
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int, evicted: Reason, stale: Reason) -> Reason:
         """``evicted`` when the first missing page was evicted or could not be stored for lack

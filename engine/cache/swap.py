@@ -214,14 +214,21 @@ class SwapController:
         """(id of the pool, block) of every device block a prefetch holds leased."""
         return Counter((id(s.pool), s.block) for s in self._prefetched)
 
-    def in_flight_forms(self, hashes: Sequence[BlockHash], tokens: int) -> dict[Form, Reason]:
-        """Forms that need, to resume at ``tokens``, an object whose swap-in is in flight."""
-        tiers = self.tiers
-        return {
-            f.form: Reason.IN_FLIGHT_SWAP
-            for f in self.form_set.forms
-            if any(tiers.in_flight(pool.name, h) for pool, h in f.needed_keys(hashes, tokens))
-        }
+    def in_flight_forms(self, hashes: Sequence[BlockHash], plan: ResumePlan, tokens: int) -> dict[Form, Reason]:
+        """Forms of ``plan`` that lost tokens and need, to resume at ``tokens``, an object whose
+        swap-in is in flight — at their first lost point instead for a downward-closed form
+        (whose first gap decides). A form whose lost points were never stored
+        (``below_granularity``) is left alone: waiting would not help it."""
+        tiers, u = self.tiers, self.form_set.unit_tokens
+        lost = {f.form: f for f in plan.forms if f.outcome is Outcome.INVALIDATED and f.reason != Reason.BELOW_GRANULARITY}
+        out: dict[Form, Reason] = {}
+        for f in self.form_set.forms:
+            if f.form not in lost:
+                continue
+            at = min(lost[f.form].usable_tokens + u, tokens) if getattr(f, "downward_closed", False) else tokens
+            if any(tiers.in_flight(pool.name, h) for pool, h in f.needed_keys(hashes, at) if pool.lookup(h) is None):
+                out[f.form] = Reason.IN_FLIGHT_SWAP
+        return out
 
     def prefetch(self, swap: SwapPlan) -> int:
         """Start the copies of ``swap`` without waiting (SGLang HiCache-style prefetch). Their
