@@ -33,6 +33,11 @@ from engine.cache.tiers import SwapIn, TierEntry, TierStore, fingerprint_text
 from engine.cache.verdicts import mark_recovered
 from engine.events import Form, Outcome, Reason, Tier
 
+ABSENT_REASONS = frozenset(
+    {Reason.KV_EVICTED, Reason.SWA_EVICTED, Reason.COMPRESSED_EVICTED, Reason.TAIL_MISSING, Reason.INDEXER_STALE, Reason.LINEAR_CHECKPOINT_MISSING}
+)
+"""Reasons that say a form's object is not on the device (a swap-in could bring it back)."""
+
 
 def open_tiers(config: CacheConfig, form_set: FormSet) -> TierStore | None:
     """The host and disk tiers of ``config`` attached to every pool of ``form_set`` (with the
@@ -217,10 +222,11 @@ class SwapController:
     def in_flight_forms(self, hashes: Sequence[BlockHash], plan: ResumePlan, tokens: int) -> dict[Form, Reason]:
         """Forms of ``plan`` that lost tokens and need, to resume at ``tokens``, an object whose
         swap-in is in flight — at their first lost point instead for a downward-closed form
-        (whose first gap decides). A form whose lost points were never stored
-        (``below_granularity``) is left alone: waiting would not help it."""
+        (whose first gap decides). Only a form whose reason says its state is not on the device
+        (:data:`ABSENT_REASONS`) is relabeled: one whose lost points were never stored
+        (``below_granularity``) or that failed validation would not resume deeper by waiting."""
         tiers, u = self.tiers, self.form_set.unit_tokens
-        lost = {f.form: f for f in plan.forms if f.outcome is Outcome.INVALIDATED and f.reason != Reason.BELOW_GRANULARITY}
+        lost = {f.form: f for f in plan.forms if f.outcome is Outcome.INVALIDATED and f.reason in ABSENT_REASONS}
         out: dict[Form, Reason] = {}
         for f in self.form_set.forms:
             if f.form not in lost:
