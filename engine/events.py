@@ -96,6 +96,16 @@ class Reason(enum.StrEnum):
     could be swapped in deeper, this form's state past its usable point is on no tier."""
 
 
+EVICTION_REASONS = frozenset({Reason.KV_EVICTED, Reason.SWA_EVICTED, Reason.COMPRESSED_EVICTED, Reason.TAIL_MISSING})
+"""Reasons that always say a form's state left the device (what a lower tier could have kept).
+``linear_checkpoint_missing`` also covers a checkpoint never taken, so the planner asks the
+form itself; ``indexer_stale`` stays what it is (case C9: a restore missing the index says so)."""
+
+ABSENT_REASONS = EVICTION_REASONS | {Reason.INDEXER_STALE, Reason.LINEAR_CHECKPOINT_MISSING}
+"""Reasons that can say a form's object is not on the device (a swap-in in flight could bring
+it back): :data:`EVICTION_REASONS` and the two that may also mean evicted."""
+
+
 class Admission(enum.StrEnum):
     """The plan the scheduler ran for a request."""
 

@@ -143,6 +143,7 @@ class UncompressedTailForm:
     compressor, stored at checkpoint positions."""
 
     form = Form.UNCOMPRESSED_TAIL
+    downward_closed = False  # one boundary slot per point
 
     def __init__(self, specs: Mapping[int, CompressedLayerSpec], num_slots: int, unit_tokens: int, index: PrefixIndex, device: torch.device) -> None:
         self.slots = BoundarySlots("uncompressed_tail", compressor_groups(specs, MAIN), num_slots, unit_tokens, index, device)
@@ -176,6 +177,7 @@ class IndexerStateForm:
     must hold at L (same boundary version as the layer's compressed KV)."""
 
     form = Form.INDEXER_STATE
+    downward_closed = False  # key pages and the boundary slot of one point
 
     def __init__(self, specs: Mapping[int, CompressedLayerSpec], num_blocks: int, num_slots: int, unit_tokens: int, index: PrefixIndex, device: torch.device) -> None:
         groups = compressor_groups(specs, INDEXER)

@@ -23,6 +23,13 @@ class ResumableForm(Protocol):
     @property
     def form(self) -> Form: ...
 
+    @property
+    def downward_closed(self) -> bool:
+        """Whether the objects a resume reads form a prefix (entry or KV pages from the start):
+        every point above the usable one then lacks the same object first, so one loss reason
+        serves all of them."""
+        ...
+
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         """Largest multiple of U ≤ ``limit_tokens`` at which this form can resume exactly."""
         ...
@@ -62,6 +69,9 @@ class FormLookup:
     spare_bytes: int | None = None
     """When the form could resume (``usable_tokens`` > 0): how much less device memory it could
     have had and still held what that resume reads (None: it resumes nowhere)."""
+    reason_tokens: int = 0
+    """The resume point ``reason`` is about (:func:`stored_loss_reason`): the highest point the
+    form lost where its state was ever stored (0: none was, or the form lost nothing)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,7 +150,8 @@ def plan_resume(
                 lost.setdefault(f.form, (lowered, resume))  # usable at the target, not below it
                 resume, last, changed = lowered, f, True
 
-    reasons = {f.form: stored_loss_reason(f, hashes, *lost[f.form], unit_tokens) for f in forms if f.form in lost}
+    found = {f.form: stored_loss_reason(f, hashes, *lost[f.form], unit_tokens) for f in forms if f.form in lost}
+    reasons = {form: reason for form, (reason, _) in found.items()}
     verdicts = []
     for f in forms:
         u = usable[f.form]
@@ -153,7 +164,10 @@ def plan_resume(
         else:
             outcome, reason = Outcome.HIT, Reason.NONE
         verdicts.append(
-            FormLookup(form=f.form, outcome=outcome, reason=reason, usable_tokens=u, recoverable_tokens=min(u, resume))
+            FormLookup(
+                form=f.form, outcome=outcome, reason=reason, usable_tokens=u, recoverable_tokens=min(u, resume),
+                reason_tokens=found[f.form][1] if f.form in found and hash_hit_tokens else 0,
+            )
         )
 
     limiting_forms: tuple[Form, ...] = ()
@@ -179,19 +193,23 @@ def plan_resume(
     )
 
 
-def stored_loss_reason(form: ResumableForm, hashes: Sequence[BlockHash], low: int, high: int, unit_tokens: int) -> Reason:
-    """Why ``form`` cannot serve the points (``low``, ``high``] (multiples of U): its reason at
-    the highest of them where its state was ever stored (a point that never was gives
-    ``below_granularity``); ``below_granularity`` only when none ever was. A downward-closed form
-    (its ``downward_closed`` attribute true) is asked at ``low`` + U, the first point it lacks:
-    every higher point lacks the same object first. Cost: one ``loss_reason`` per point scanned."""
-    if getattr(form, "downward_closed", False):
-        return form.loss_reason(hashes, low + unit_tokens)
+def stored_loss_reason(
+    form: ResumableForm, hashes: Sequence[BlockHash], low: int, high: int, unit_tokens: int
+) -> tuple[Reason, int]:
+    """Why ``form`` cannot serve the points (``low``, ``high``] (multiples of U), and the point
+    that reason is about: its reason at the highest of them where its state was ever stored (a
+    point that never was gives ``below_granularity``); ``(below_granularity, 0)`` only when none
+    ever was. A downward-closed form (``downward_closed``) is asked at ``low`` + U, the first
+    point it lacks: every higher point lacks the same object first. Cost: one ``loss_reason``
+    per point scanned."""
+    if form.downward_closed:  # the first gap's reason holds up to ``high``
+        reason = form.loss_reason(hashes, low + unit_tokens)
+        return reason, 0 if reason == Reason.BELOW_GRANULARITY else high
     for point in range(high, low, -unit_tokens):
         reason = form.loss_reason(hashes, point)
         if reason != Reason.BELOW_GRANULARITY:
-            return reason
-    return Reason.BELOW_GRANULARITY
+            return reason, point
+    return Reason.BELOW_GRANULARITY, 0
 
 
 def limiting_set(usable: Mapping[Form, int], reasons: Mapping[Form, Reason], order: Sequence[Form]) -> tuple[Form, ...]:

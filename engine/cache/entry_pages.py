@@ -196,9 +196,10 @@ class EntryPages:
                 continue
             try:
                 block = self.pool.allocate()
-            except PoolExhausted:  # memory pressure: remembered like an eviction
-                self._not_stored[h] = None
-                if len(self._not_stored) > self.pool.num_blocks:
+            except PoolExhausted:  # memory pressure: this page and every later one, remembered like evictions
+                for later in range(page, complete):
+                    self._not_stored[self.page_hash(hashes, later)] = None
+                while len(self._not_stored) > self.pool.num_blocks:
                     self._not_stored.popitem(last=False)
                 return
             self._not_stored.pop(h, None)

@@ -69,6 +69,7 @@ class Vetoed:
 
     form: Form
     reason: Reason
+    downward_closed = True  # the same reason at every point
 
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         return 0

@@ -192,6 +192,7 @@ class LinearCheckpointForm:
     the hash of the prefix they summarise (the block ending at the checkpoint)."""
 
     form = Form.LINEAR_STATE
+    downward_closed = False  # one checkpoint per point
 
     def __init__(
         self,

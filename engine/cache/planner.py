@@ -84,7 +84,7 @@ class Planner:
             plan = tail_replay_plan(plan, forms, hashes, prompt_tokens + output_tokens, hit, config=self.config, kv_forms=fs.kv_forms)
         plan = dataclasses.replace(plan, pool_versions=fs.pool_versions())
         if self.swap is not None and self.swap.prefetching:  # objects on their way up: the forms that need them say so
-            plan = relabel(plan, self.swap.in_flight_forms(hashes, plan, min(hit, resume_limit(prompt_tokens, u))))
+            plan = relabel(plan, self.swap.in_flight_forms(hashes, plan), (Outcome.INVALIDATED, Outcome.REPLAYED))
         failure = check_granularity(plan.resume_tokens, u)
         if failure is not None:
             raise RuntimeError(f"resume point {plan.resume_tokens} fails validation: {failure}")

@@ -31,12 +31,7 @@ from engine.cache.form_set import FormSet
 from engine.cache.hashing import BlockHash
 from engine.cache.tiers import SwapIn, TierEntry, TierStore, fingerprint_text
 from engine.cache.verdicts import mark_recovered
-from engine.events import Form, Outcome, Reason, Tier
-
-ABSENT_REASONS = frozenset(
-    {Reason.KV_EVICTED, Reason.SWA_EVICTED, Reason.COMPRESSED_EVICTED, Reason.TAIL_MISSING, Reason.INDEXER_STALE, Reason.LINEAR_CHECKPOINT_MISSING}
-)
-"""Reasons that say a form's object is not on the device (a swap-in could bring it back)."""
+from engine.events import ABSENT_REASONS, Form, Outcome, Reason, Tier
 
 
 def open_tiers(config: CacheConfig, form_set: FormSet) -> TierStore | None:
@@ -219,21 +214,35 @@ class SwapController:
         """(id of the pool, block) of every device block a prefetch holds leased."""
         return Counter((id(s.pool), s.block) for s in self._prefetched)
 
-    def in_flight_forms(self, hashes: Sequence[BlockHash], plan: ResumePlan, tokens: int) -> dict[Form, Reason]:
-        """Forms of ``plan`` that lost tokens and need, to resume at ``tokens``, an object whose
-        swap-in is in flight — at their first lost point instead for a downward-closed form
-        (whose first gap decides). Only a form whose reason says its state is not on the device
-        (:data:`ABSENT_REASONS`) is relabeled: one whose lost points were never stored
-        (``below_granularity``) or that failed validation would not resume deeper by waiting."""
-        tiers, u = self.tiers, self.form_set.unit_tokens
-        lost = {f.form: f for f in plan.forms if f.outcome is Outcome.INVALIDATED and f.reason in ABSENT_REASONS}
+    def in_flight_forms(self, hashes: Sequence[BlockHash], plan: ResumePlan) -> dict[Form, Reason]:
+        """Forms of ``plan`` that lost tokens (or were replayed) and would serve the point their reason is about
+        (``FormLookup.reason_tokens``, the highest lost point where their state was stored) once
+        the swap-ins in flight land: every object they lack there is being copied up. Only a form
+        whose reason says its state is not on the device (:data:`ABSENT_REASONS`) is relabeled: one
+        whose lost points were never stored (``below_granularity``) or that failed validation
+        would not resume deeper by waiting, nor one that also lacks an object no copy brings."""
+        lost = {
+            f.form: f.reason_tokens
+            for f in plan.forms
+            if f.outcome in (Outcome.INVALIDATED, Outcome.REPLAYED) and f.reason in ABSENT_REASONS and f.reason_tokens
+        }
+        if not lost:
+            return {}
         out: dict[Form, Reason] = {}
-        for f in self.form_set.forms:
-            if f.form not in lost:
-                continue
-            at = min(lost[f.form].usable_tokens + u, tokens) if getattr(f, "downward_closed", False) else tokens
-            if any(tiers.in_flight(pool.name, h) for pool, h in f.needed_keys(hashes, at) if pool.lookup(h) is None):
-                out[f.form] = Reason.IN_FLIGHT_SWAP
+        pools = list(self.form_set.pools())
+        self.tiers.in_flight_view = True
+        self.tiers.version += 1
+        for p in pools:
+            p.tier_view = True
+        try:
+            for f in self.form_set.forms:
+                if f.form in lost and f.resume_at_most(hashes, lost[f.form]) >= lost[f.form]:
+                    out[f.form] = Reason.IN_FLIGHT_SWAP
+        finally:
+            for p in pools:
+                p.tier_view = False
+            self.tiers.in_flight_view = False
+            self.tiers.version += 1
         return out
 
     def prefetch(self, swap: SwapPlan) -> int:

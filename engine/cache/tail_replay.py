@@ -89,6 +89,7 @@ def tail_replay_plan(
         usable_tokens=linear.usable_tokens,
         recoverable_tokens=0,  # no stored linear state was reused
         replayed_tokens=replay,
+        reason_tokens=linear.reason_tokens,
     )
     verdicts = sorted([*alt.forms, replayed], key=lambda f: list(Form).index(f.form))
     plan = dataclasses.replace(alt, forms=tuple(verdicts), replayed_tokens=replay)

@@ -44,9 +44,10 @@ class TierCopies:
     """The worker threads (and on CUDA the side stream) copying objects of the pools on
     ``device`` down to the tiers and back up.
 
-    ``holding`` (fault injection, ``read_during_swap_in``): while set, a swap-in's copy waits
-    until :meth:`release` (at most :data:`SWAP_GATE_SECONDS`), so a read arrives while it is in
-    flight.
+    ``holding`` (fault injection, ``read_during_swap_in``): while set, every swap-in's copy
+    waits for the first :meth:`release` after it was enqueued (at most
+    :data:`SWAP_GATE_SECONDS`), so a read arrives while it is in flight; copies enqueued after a
+    release wait for the next one.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -115,14 +116,22 @@ class TierCopies:
         if self._stream is not None:  # the block's previous readers, queued on the compute stream
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        return self._reader.submit(self._read_into, tensors, fingerprints, entry, block, ready)
+        gate = self._gate if self.holding else None
+        return self._reader.submit(self._read_into, tensors, fingerprints, entry, block, ready, gate)
 
     def _read_into(
-        self, stored: list[StoredTensor], fingerprints: dict[str, str], entry: TierEntry, block: int, ready: torch.cuda.Event | None
+        self,
+        stored: list[StoredTensor],
+        fingerprints: dict[str, str],
+        entry: TierEntry,
+        block: int,
+        ready: torch.cuda.Event | None,
+        gate: threading.Event | None,
     ) -> Reason | None:
-        """Worker thread: load, verify and copy one entry into ``block``."""
-        if self.holding:
-            self._gate.wait(SWAP_GATE_SECONDS)
+        """Worker thread: load, verify and copy one entry into ``block`` (after ``gate`` opens,
+        when the copy is held)."""
+        if gate is not None:
+            gate.wait(SWAP_GATE_SECONDS)
         tensors = entry.tensors
         if tensors is None:
             assert entry.path is not None
@@ -152,8 +161,11 @@ class TierCopies:
         self._gate.clear()
 
     def release(self) -> None:
-        """Let swap-ins held by :meth:`hold` proceed."""
+        """Let the swap-ins held by :meth:`hold` so far proceed (those enqueued later wait for
+        the next release)."""
         self._gate.set()
+        if self.holding:
+            self._gate = threading.Event()
 
     def shutdown(self) -> None:
         """Let held swap-ins proceed, wait for every copy and stop the workers."""

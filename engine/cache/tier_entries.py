@@ -103,6 +103,14 @@ class TierEntries:
         entry = self.entries.get((pool, h))
         return entry is not None and self.states[entry.row] in (BlockState.SWAPPING_IN, BlockState.SWAPPING_OUT)
 
+    def swapping_in(self, pool: str, h: BlockHash) -> TierEntry | None:
+        """The entry under ``(pool, h)`` when it is being copied up (``SWAPPING_IN``) and not
+        doomed (a doomed copy is refused when it ends)."""
+        entry = self.entries.get((pool, h))
+        if entry is None or self.states[entry.row] is not BlockState.SWAPPING_IN or entry.doomed:
+            return None
+        return entry
+
     def victim(self, tier: Tier) -> TierEntry | None:
         """The least recently used entry of ``tier`` that can leave it now (``OFFLOADED``, no
         copy in flight)."""

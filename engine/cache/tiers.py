@@ -27,7 +27,7 @@ eviction, prefetch before scheduling); file format: safetensors.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,12 +101,12 @@ class TierStore:
         self.device = device
         self.corrupt_writes = False
         self._pools: dict[str, _Pool] = {}
-        self.swaps: list[SwapIn] = []
-        """Swap-ins started by a prefetch and not yet committed."""
-        self.restored: OrderedDict[tuple[str, BlockHash], tuple[Tier, int, float]] = OrderedDict()
-        """Objects a prefetch brought back, not yet claimed by a request: (tier, bytes, seconds)."""
         self.version = 0
-        """Bumped whenever the set of readable entries changes."""
+        """Bumped whenever the set of readable entries changes (or :attr:`in_flight_view`)."""
+        self.in_flight_view = False
+        """While set, :meth:`readable` gives the entries being swapped in instead of the readable
+        ones: what a lookup would find once the copies in flight land (whoever sets it bumps
+        :attr:`version` on both edges)."""
         self.observer: Callable[[str, str, BlockHash, Tier], None] | None = None
         """Optional audit hook, called as ``observer(action, pool, hash, tier)`` when an object
         becomes readable in a tier (``"offloaded"``) or is copied back up (``"restored"``)."""
@@ -139,8 +139,9 @@ class TierStore:
 
     # -- queries ---------------------------------------------------------------------------------
     def readable(self, pool: str, h: BlockHash) -> TierEntry | None:
-        """The entry under ``(pool, h)`` when it can be swapped in now (``OFFLOADED``)."""
-        return self._table.readable(pool, h)
+        """The entry under ``(pool, h)`` when it can be swapped in now (``OFFLOADED``); in
+        :attr:`in_flight_view`, the one being swapped in (``SWAPPING_IN``, not doomed)."""
+        return self._table.swapping_in(pool, h) if self.in_flight_view else self._table.readable(pool, h)
 
     def in_flight(self, pool: str, h: BlockHash) -> bool:
         """Whether the entry under ``(pool, h)`` is being copied (down or up)."""

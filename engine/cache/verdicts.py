@@ -9,21 +9,19 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 from engine.cache.coordinator import ResumePlan, limiting_set, name_limiting
-from engine.events import Form, Outcome, Reason, Tier
-
-EVICTION_REASONS = frozenset({Reason.KV_EVICTED, Reason.SWA_EVICTED, Reason.COMPRESSED_EVICTED, Reason.TAIL_MISSING})
-"""Reasons that say a form's state left the device (what a lower tier could have kept).
-``linear_checkpoint_missing`` also covers a checkpoint never taken, so the planner asks the
-form itself; ``indexer_stale`` stays what it is (case C9: a restore missing the index says so)."""
+from engine.events import EVICTION_REASONS, Form, Outcome, Reason, Tier
 
 
-def relabel(plan: ResumePlan, reasons: Mapping[Form, Reason]) -> ResumePlan:
-    """Give forms that lost tokens (not ``hit``) the reason the caller knows better (a failed
-    swap-in, a refused plan); the limiting reason follows its form."""
+def relabel(
+    plan: ResumePlan, reasons: Mapping[Form, Reason], outcomes: Collection[Outcome] = (Outcome.INVALIDATED,)
+) -> ResumePlan:
+    """Give forms that lost tokens (outcome in ``outcomes``) the reason the caller knows better
+    (a failed swap-in, a refused plan, a swap-in in flight); the limiting reason follows its
+    form."""
     if not reasons:
         return plan
     forms = tuple(
-        dataclasses.replace(f, reason=reasons[f.form]) if f.form in reasons and f.outcome is Outcome.INVALIDATED else f
+        dataclasses.replace(f, reason=reasons[f.form]) if f.form in reasons and f.outcome in outcomes else f
         for f in plan.forms
     )
     if plan.limiting_forms:  # the named form may change with the reasons
@@ -32,7 +30,7 @@ def relabel(plan: ResumePlan, reasons: Mapping[Form, Reason]) -> ResumePlan:
         return dataclasses.replace(plan, forms=forms, limiting_form=named, limiting_reason=lost[named])
     limiting = plan.limiting_reason
     lim = plan.limiting_form
-    if lim is not None and lim in reasons and plan.form(lim).outcome is Outcome.INVALIDATED:
+    if lim is not None and lim in reasons and plan.form(lim).outcome in outcomes:
         limiting = reasons[lim]
     return dataclasses.replace(plan, forms=forms, limiting_reason=limiting)
 

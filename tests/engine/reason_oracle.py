@@ -18,7 +18,10 @@ The rules it computes (the lead's statement of issue 20):
   lost, is on a tier — also after a restart —, in flight or of another version);
   ``below_granularity`` when there is no such point. ``linear_state`` has none: a checkpoint
   evicted or never taken is ``linear_checkpoint_missing`` (case C1). An ``indexer_state`` point
-  whose pending rows were never stored was never servable, whatever its key pages;
+  whose pending rows were never stored was never servable, whatever its key pages. At a
+  point where every object the form lacks is being swapped in (waiting would serve it) the
+  reason is ``in_flight_swap``; otherwise the copies in flight are left aside and the first
+  other lacking object decides;
 * a swap-in plan is judged in its tier view (tests/engine/reason_oracle_plans.py);
 * limiting_forms = the lost forms with the smallest usable, in Form order; limiting_form = the
   first of them whose reason is not ``below_granularity``, else the first.
@@ -182,11 +185,14 @@ def form_at(geom: FormGeom, p: int, view: View) -> tuple[bool, bool, Reason | No
     bad = [[s for s in g if s[0] is not Cause.OK] for g in groups]
     if not any(bad):
         return True, True, None, None
-    group_ok = (
+    group_ok = (  # another group holds its own page on the device
         any(not b for b in bad[: len(geom.entry_groups)])
         if geom.form is Form.COMPRESSED_KV
         else False
     )
+    if all(cause is Cause.IN_FLIGHT for b in bad for cause, _ in b):  # waiting would serve p
+        return False, True, Reason.IN_FLIGHT_SWAP, Cause.IN_FLIGHT
+    bad = [[s for s in b if s[0] is not Cause.IN_FLIGHT] for b in bad]  # what waiting would not fix
     reason: Reason | None = None
     first: Cause | None = None
     stored = True

@@ -16,6 +16,7 @@ import torch
 from hypothesis import strategies as st
 
 from engine import LLM, CacheConfig, SamplingParams
+from engine.cache import tier_copies
 from engine.cache.admission import CostModel
 from engine.cache.hashing import BlockHash
 from engine.cache.lifecycle import BlockState
@@ -362,8 +363,11 @@ def kind_of(expected: Expected) -> str:
 
 def run_scenario(scenario: Scenario, tally: Tally) -> None:
     """Run ``scenario`` and add its comparisons to ``tally``."""
-    threads = torch.get_num_threads()
+    threads, gate = torch.get_num_threads(), tier_copies.SWAP_GATE_SECONDS
     torch.set_num_threads(1)
+    # fault read_during_swap_in: a held copy lands only when the engine lets it, never on a
+    # timer (which would make what a lookup sees depend on the machine's speed)
+    tier_copies.SWAP_GATE_SECONDS = 3600.0
     with tempfile.TemporaryDirectory() as tmp:
         run = Run(scenario, Path(tmp))
         run.prefixes = [rand_tokens(n, seed) for n, seed in scenario.prefixes]
@@ -375,6 +379,7 @@ def run_scenario(scenario: Scenario, tally: Tally) -> None:
             if run.llm is not None:
                 run.llm.close()
             torch.set_num_threads(threads)
+            tier_copies.SWAP_GATE_SECONDS = gate
             tally.lookups += run.tally.lookups
             tally.requests += run.tally.requests
             tally.mismatches += run.tally.mismatches

@@ -11,6 +11,8 @@ from engine.events import Form, Outcome, Reason
 class FakeForm:
     """A form valid exactly at the given resume points (plus 0)."""
 
+    downward_closed = False
+
     def __init__(self, form: Form, reason: Reason, valid: set[int]) -> None:
         self.form = form
         self.reason = reason
@@ -100,6 +102,8 @@ def test_a_form_the_fixed_point_lowered_is_asked_over_every_point_it_lost() -> N
     its reason is the one at 48 (its pages there were evicted), the highest stored point, not
     ``below_granularity`` from 64 alone."""
     class ByPoint:
+        downward_closed = False
+
         def __init__(self, form: Form, points: set[int], reasons: dict[int, Reason]) -> None:
             self.form, self.points, self.reasons = form, points, reasons
 
