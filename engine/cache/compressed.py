@@ -116,13 +116,16 @@ class CompressedKVForm:
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
         """When a group never stored its page there: ``group_disagree`` if another group holds
         its own, else ``below_granularity`` (the point was never servable, whatever became of the
-        other groups' pages); otherwise the first group's reason."""
+        other groups' pages) — also when no group holds all its pages and some group never
+        stored a later one; otherwise the first group's reason."""
         reasons = [
             g.loss_reason(hashes, resume_tokens, Reason.COMPRESSED_EVICTED, Reason.COMPRESSED_VERSION_MISMATCH)
             for g in self.groups
         ]
         if Reason.BELOW_GRANULARITY in reasons:
             return Reason.GROUP_DISAGREE if Reason.NONE in reasons else Reason.BELOW_GRANULARITY
+        if Reason.NONE not in reasons and any(g.never_stored(hashes, resume_tokens) for g in self.groups):
+            return Reason.BELOW_GRANULARITY  # a later page never stored: the point never was servable
         for reason in reasons:
             if reason != Reason.NONE:
                 return reason
@@ -209,11 +212,13 @@ class IndexerStateForm:
     def loss_reason(self, hashes: Sequence[BlockHash], resume_tokens: int) -> Reason:
         """``indexer_stale`` when keys or pending rows there were evicted or carry another
         version (the index would lag the compressed KV), else ``below_granularity`` — also when
-        the point needs pending rows that were never stored there (whatever became of its key
-        pages, it was never a point the indexer could serve)."""
+        the point needs pending rows or key pages that were never stored there (whatever became
+        of the rest, it was never a point the indexer could serve)."""
         slots = self.slots.loss_reason(hashes, resume_tokens, Reason.INDEXER_STALE, Reason.INDEXER_STALE)
         if slots == Reason.BELOW_GRANULARITY and not self.slots.usable_at(hashes, resume_tokens):
             return slots
+        if any(k.never_stored(hashes, resume_tokens) for k in self.keys):
+            return Reason.BELOW_GRANULARITY
         for k in self.keys:
             reason = k.loss_reason(hashes, resume_tokens, Reason.INDEXER_STALE, Reason.INDEXER_STALE)
             if reason != Reason.NONE:

@@ -143,6 +143,15 @@ class EntryPages:
             return stale
         return evicted if self.pool.was_evicted(h) or h in self._not_stored else Reason.BELOW_GRANULARITY
 
+    def never_stored(self, hashes: Sequence[BlockHash], resume_tokens: int) -> bool:
+        """Whether some page a resume at ``resume_tokens`` reads was never stored: absent, not
+        evicted and not left unstored for lack of room (a resume there was never servable)."""
+        for page in range(self.pages_needed(resume_tokens)):
+            h = self.page_hash(hashes, page)
+            if self._end_of(h) is None and not self.pool.was_evicted(h) and h not in self._not_stored:
+                return True
+        return False
+
     def lease_pages(self, hashes: Sequence[BlockHash], resume_tokens: int) -> list[int]:
         """Lease every page a resume at ``resume_tokens`` reads; returns their blocks in order.
 

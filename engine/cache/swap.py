@@ -29,8 +29,8 @@ from engine.cache.config import CacheConfig
 from engine.cache.coordinator import ResumePlan, plan_resume
 from engine.cache.form_set import FormSet
 from engine.cache.hashing import BlockHash
-from engine.cache.tiers import SwapIn, TierEntry, TierStore, fingerprint_text
-from engine.cache.verdicts import mark_recovered
+from engine.cache.tiers import SwapIn, TierEntry, TierStore, TierView, fingerprint_text
+from engine.cache.verdicts import mark_recovered, relabel
 from engine.events import ABSENT_REASONS, Form, Outcome, Reason, Tier
 
 
@@ -107,9 +107,12 @@ class SwapController:
 
     # -- the tier view ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _tier_view(self) -> Iterator[None]:
-        """Let every pool count objects the lower tiers hold as present (a swap-in away)."""
+    def _tier_view(self, view: TierView = TierView.READABLE) -> Iterator[None]:
+        """Let every pool count the lower-tier objects ``view`` names as present (a swap-in
+        away)."""
         pools = list(self.form_set.pools())
+        moved = view is not self.tiers.view
+        self.tiers.view, self.tiers.version = view, self.tiers.version + moved
         for p in pools:
             p.tier_view = True
         try:
@@ -117,6 +120,7 @@ class SwapController:
         finally:
             for p in pools:
                 p.tier_view = False
+            self.tiers.view, self.tiers.version = TierView.READABLE, self.tiers.version + moved
 
     def swap_plan(self, hashes: Sequence[BlockHash], prompt_tokens: int, vetoes: Mapping[Form, Reason] | None, device: ResumePlan) -> SwapPlan | None:
         """The exact resume the device and the tiers together allow, with the entries to swap
@@ -132,6 +136,9 @@ class SwapController:
             plan = plan_resume(forms, hashes, prompt_tokens, device.hash_hit_tokens, self.form_set.unit_tokens)
         if plan.resume_tokens <= device.resume_tokens - device.replayed_tokens:
             return None
+        if self.prefetching:  # a form whose lost objects are on their way up says so
+            in_flight = self.in_flight_forms(hashes, plan, TierView.READABLE_OR_IN_FLIGHT)
+            plan = relabel(plan, in_flight, (Outcome.INVALIDATED, Outcome.REPLAYED))
         entries: dict[Form, list[tuple[BlockPool, TierEntry]]] = {}
         for f in self.form_set.forms:
             for pool, h in f.needed_keys(hashes, plan.resume_tokens):
@@ -214,8 +221,11 @@ class SwapController:
         """(id of the pool, block) of every device block a prefetch holds leased."""
         return Counter((id(s.pool), s.block) for s in self._prefetched)
 
-    def in_flight_forms(self, hashes: Sequence[BlockHash], plan: ResumePlan) -> dict[Form, Reason]:
-        """Forms of ``plan`` that lost tokens (or were replayed) and would serve the point their reason is about
+    def in_flight_forms(
+        self, hashes: Sequence[BlockHash], plan: ResumePlan, view: TierView = TierView.IN_FLIGHT
+    ) -> dict[Form, Reason]:
+        """Forms of ``plan`` (a device plan; with ``view`` ``READABLE_OR_IN_FLIGHT``, a tier-view
+        plan) that lost tokens (or were replayed) and would serve the point their reason is about
         (``FormLookup.reason_tokens``, the highest lost point where their state was stored) once
         the swap-ins in flight land: every object they lack there is being copied up. Only a form
         whose reason says its state is not on the device (:data:`ABSENT_REASONS`) is relabeled: one
@@ -229,20 +239,10 @@ class SwapController:
         if not lost:
             return {}
         out: dict[Form, Reason] = {}
-        pools = list(self.form_set.pools())
-        self.tiers.in_flight_view = True
-        self.tiers.version += 1
-        for p in pools:
-            p.tier_view = True
-        try:
+        with self._tier_view(view):
             for f in self.form_set.forms:
                 if f.form in lost and f.resume_at_most(hashes, lost[f.form]) >= lost[f.form]:
                     out[f.form] = Reason.IN_FLIGHT_SWAP
-        finally:
-            for p in pools:
-                p.tier_view = False
-            self.tiers.in_flight_view = False
-            self.tiers.version += 1
         return out
 
     def prefetch(self, swap: SwapPlan) -> int:

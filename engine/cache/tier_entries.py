@@ -17,6 +17,7 @@ import concurrent.futures
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from torch import Tensor
@@ -27,6 +28,16 @@ from engine.cache.hashing import BlockHash
 from engine.cache.lifecycle import BlockState, Event, transition
 from engine.events import Reason, Tier
 
+
+class TierView(Enum):
+    """Which lower-tier entries a lookup counts as present (a swap-in away)."""
+
+    READABLE = "readable"
+    """Those that can be swapped in now (``OFFLOADED``): the tier view of a swap-in plan."""
+    IN_FLIGHT = "in_flight"
+    """Those being swapped in (``SWAPPING_IN``, not doomed): the device once they land."""
+    READABLE_OR_IN_FLIGHT = "readable_or_in_flight"
+    """Both: the tier view once the copies in flight land."""
 
 @dataclass(slots=True, eq=False)
 class TierEntry:
@@ -110,6 +121,14 @@ class TierEntries:
         if entry is None or self.states[entry.row] is not BlockState.SWAPPING_IN or entry.doomed:
             return None
         return entry
+
+    def visible(self, pool: str, h: BlockHash, view: TierView) -> TierEntry | None:
+        """The entry under ``(pool, h)`` a lookup in ``view`` counts as present."""
+        if view is TierView.READABLE:
+            return self.readable(pool, h)
+        if view is TierView.IN_FLIGHT:
+            return self.swapping_in(pool, h)
+        return self.readable(pool, h) or self.swapping_in(pool, h)
 
     def victim(self, tier: Tier) -> TierEntry | None:
         """The least recently used entry of ``tier`` that can leave it now (``OFFLOADED``, no

@@ -41,7 +41,7 @@ from engine.cache.hashing import BlockHash, PrefixIndex
 from engine.cache.lifecycle import BlockState, Event
 from engine.cache.tier_calibration import round_trip
 from engine.cache.tier_copies import READ_WORKERS, SWAP_GATE_SECONDS, TierCopies
-from engine.cache.tier_entries import SwapIn, TierEntries, TierEntry
+from engine.cache.tier_entries import SwapIn, TierEntries, TierEntry, TierView
 from engine.cache.tier_files import (
     FILE_FORMAT,
     FILE_SUFFIX,
@@ -53,7 +53,7 @@ from engine.cache.tier_files import (
 from engine.events import Reason, Tier
 
 __all__ = ["FILE_FORMAT", "FILE_SUFFIX", "HEADER_FIELDS", "LOCK_FILE", "READ_WORKERS", "SWAP_GATE_SECONDS", "SwapIn",
-           "TierEntry", "TierStore", "fingerprint_text", "round_trip"]  # (what moved out is re-exported)
+           "TierEntry", "TierStore", "TierView", "fingerprint_text", "round_trip"]  # (what moved out is re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +102,11 @@ class TierStore:
         self.corrupt_writes = False
         self._pools: dict[str, _Pool] = {}
         self.version = 0
-        """Bumped whenever the set of readable entries changes (or :attr:`in_flight_view`)."""
-        self.in_flight_view = False
-        """While set, :meth:`readable` gives the entries being swapped in instead of the readable
-        ones: what a lookup would find once the copies in flight land (whoever sets it bumps
-        :attr:`version` on both edges)."""
+        """Bumped whenever the set of readable entries changes (or :attr:`view`)."""
+        self.view = TierView.READABLE
+        """Which entries :meth:`readable` gives: those that can be swapped in now, or (what a
+        lookup would find once the copies in flight land) those being swapped in, or both.
+        Whoever changes it bumps :attr:`version` on both edges."""
         self.observer: Callable[[str, str, BlockHash, Tier], None] | None = None
         """Optional audit hook, called as ``observer(action, pool, hash, tier)`` when an object
         becomes readable in a tier (``"offloaded"``) or is copied back up (``"restored"``)."""
@@ -139,9 +139,9 @@ class TierStore:
 
     # -- queries ---------------------------------------------------------------------------------
     def readable(self, pool: str, h: BlockHash) -> TierEntry | None:
-        """The entry under ``(pool, h)`` when it can be swapped in now (``OFFLOADED``); in
-        :attr:`in_flight_view`, the one being swapped in (``SWAPPING_IN``, not doomed)."""
-        return self._table.swapping_in(pool, h) if self.in_flight_view else self._table.readable(pool, h)
+        """The entry under ``(pool, h)`` when it can be swapped in now (``OFFLOADED``), or, as
+        :attr:`view` says, the one being swapped in (``SWAPPING_IN``, not doomed)."""
+        return self._table.visible(pool, h, self.view)
 
     def in_flight(self, pool: str, h: BlockHash) -> bool:
         """Whether the entry under ``(pool, h)`` is being copied (down or up)."""

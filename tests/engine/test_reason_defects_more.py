@@ -1,10 +1,12 @@
 """Reason defects the reason oracle (tests/engine/reason_oracle.py) found in the engine: one
 small deterministic test each, asserting the TRUE reason (each failed before its fix: 6bb8d7c,
-ccd0f32)."""
+ccd0f32, and the last two before the commit that added them)."""
 
 from __future__ import annotations
 
-from engine import LLM, CacheConfig
+from pathlib import Path
+
+from engine import LLM, CacheConfig, SamplingParams
 from engine.cache.admission import CostModel
 from engine.events import Admission, CacheLookup, Form, Reason, RequestEvent, Tier
 from engine.faults import Faults
@@ -113,3 +115,64 @@ def test_a_compressed_page_the_tier_holds_is_not_a_version_mismatch() -> None:
     assert forms[Form.COMPRESSED_KV].usable_tokens == 96
     assert forms[Form.COMPRESSED_KV].reason is Reason.TIER_INCOMPLETE
     assert_no_leases(llm)
+
+
+def test_an_indexer_point_with_a_key_page_never_stored_is_below_granularity(tmp_path: Path) -> None:
+    """deepseek_v4-tiny with room for 3 indexer key pages: of the 6 a 100-token prompt fills
+    (16 tokens each), pages 4-6 are not stored. After an offload to disk and a restart (which
+    forgets what the pools could not store), the indexer at 96 lacks page 1 (on disk) and pages
+    4-6 (never stored, as far as any pool knows): the point was never servable,
+    ``below_granularity`` — not ``indexer_stale`` (the engine asked only about the first
+    missing page)."""
+    cfg = CacheConfig(checkpoint_interval_tokens=64, max_prefill_chunk_tokens=64, compressed_blocks=4,
+                      host_tier_bytes=4 << 20, disk_tier_bytes=16 << 20, disk_tier_dir=str(tmp_path))  # fmt: skip
+    llm = LLM("deepseek_v4-tiny", device="cpu", cache=cfg, check_invariants=True)
+    prompt = tokens(100, 7)
+    llm.score(prompt)
+    indexer = llm.cache.indexer
+    assert indexer is not None
+    stored = [p for p in range(6) if indexer.keys[0].block_of(llm.cache.block_hashes(prompt), p) is not None]
+    assert stored == [0, 1, 2]
+    llm.offload(Tier.DISK)
+    llm.close()
+    llm = LLM("deepseek_v4-tiny", device="cpu", cache=cfg, check_invariants=True)
+    follow_up = [*prompt, *tokens(9, 8)]
+    plan = llm.cache.lookup(llm.cache.block_hashes(follow_up), len(follow_up))
+    form = plan.form(Form.INDEXER_STATE)
+    assert (plan.hash_hit_tokens, form.usable_tokens) == (96, 0)
+    assert form.reason is Reason.BELOW_GRANULARITY
+    assert plan.form(Form.COMPRESSED_KV).reason is Reason.COMPRESSED_EVICTED  # its point 48 was stored
+    llm.close()
+
+
+def test_a_swap_in_form_whose_pages_are_in_flight_is_in_flight_swap_not_tier_incomplete() -> None:
+    """qwen3_next-tiny, small host tier, fault ``read_during_swap_in`` without waiting: a
+    prefetch holds the full-KV pages 48-80 of an offloaded conversation in flight, and its
+    linear checkpoint at 80 is dropped while copied. The next turn swaps in the checkpoint at 64
+    and resumes at 32 (what the device holds of full_kv): full_kv lost 48-80 because those pages
+    are still on their way up — ``in_flight_swap`` — not ``tier_incomplete`` (the tier does hold
+    them; its tier-view verdict never asked about the copies in flight)."""
+    sink = ListSink()
+    cfg = CacheConfig(checkpoint_interval_tokens=32, max_prefill_chunk_tokens=64, full_kv_blocks=40,
+                      linear_checkpoints=6, host_tier_bytes=96 << 10, swap_in_wait=False)  # fmt: skip
+    llm = LLM("qwen3_next-tiny", device="cpu", cache=cfg, telemetry=sink, check_invariants=True,
+              cost_model=FAST, faults=Faults(read_during_swap_in=True))  # fmt: skip
+    prompt = tokens(80, 1)
+    out = llm.generate([prompt], SamplingParams(max_tokens=4))[0]
+    turn = [*prompt, *list(out.output_token_ids)[:-1], *tokens(18, 2)]
+    llm.offload(Tier.HOST)
+    assert llm.prefetch(turn) > 0
+    hashes = llm.cache.block_hashes(turn)
+    tiers, linear = llm.cache.tiers, llm.cache.linear
+    full_kv = next(f for f in llm.cache.kv_forms if f.form is Form.FULL_KV)
+    assert tiers is not None and linear is not None
+    assert all(tiers.in_flight(full_kv.pool.name, hashes[p // U - 1]) for p in (48, 64, 80))
+    tiers.drop(linear.pool.name, hashes[80 // U - 1])
+    score = llm.score(turn)
+    llm.cache.settle(wait=True)
+    req = next(e for e in sink.events if isinstance(e, RequestEvent) and e.request_id == score.request_id)
+    forms = {e.form: e for e in sink.events if isinstance(e, CacheLookup) and e.request_id == score.request_id}
+    assert (req.admission, req.resume_tokens) == (Admission.SWAP_IN, 32)
+    assert (forms[Form.FULL_KV].usable_tokens, forms[Form.FULL_KV].reason) == (32, Reason.IN_FLIGHT_SWAP)
+    assert (req.limiting_form, req.limiting_reason) == (Form.FULL_KV, Reason.IN_FLIGHT_SWAP)
+    llm.close()
