@@ -26,7 +26,8 @@ HCA layers, so all six forms exist), side by side in one run:
 Prints one JSON object on stdout; progress goes to stderr. No timed assertion: absolute times on
 a shared machine are context, the target is reported, not enforced.
 
-Run: ``python -m benchmarks.cache_lookup`` (or ``python benchmarks/cache_lookup.py``);
+Run: ``python -m benchmarks.cache_lookup`` from the repository root (as a module: run as a file,
+``benchmarks/kernels.py`` would shadow the ``kernels`` package);
 ``--profile`` adds a cProfile listing of the lookup's top functions on stderr.
 """
 
@@ -119,6 +120,10 @@ class _CountingForm:
     @property
     def form(self) -> Form:
         return self.inner.form
+
+    @property
+    def downward_closed(self) -> bool:
+        return self.inner.downward_closed
 
     def resume_at_most(self, hashes: Sequence[BlockHash], limit_tokens: int) -> int:
         self.calls += 1
