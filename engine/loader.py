@@ -1,7 +1,8 @@
 """Loading a model: a preset name, a config object, or a Hugging-Face-style directory.
 
-A directory holds ``config.json`` (its ``model_type`` picks the family), one or more
-``*.safetensors`` files and optionally ``tokenizer.json``. Loading is strict: every parameter of
+A directory holds ``config.json`` (its ``model_type`` picks the family), one
+``*.safetensors`` file or shards named by ``model.safetensors.index.json``
+(:mod:`engine.weight_files`), and optionally ``tokenizer.json``. Loading is strict: every parameter of
 the model must be present with its exact shape, no unknown tensor may be left over, and only
 float dtypes are accepted — each failure names the file and the tensor or field.
 """
@@ -20,15 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.load_errors import ModelLoadError
 from engine.model.base import CausalLM
 from engine.presets import PRESETS, preset_names
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.weight_files import WeightFiles, progress, save_sharded
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class ModelLoadError(ValueError):
-    """A model reference or directory that cannot be loaded; the message says what and where."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,41 +143,28 @@ def _revision(path: Path) -> str:
 
 
 def _load_weights(model: nn.Module, path: Path) -> None:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    """Check every tensor from the files' headers (names, shapes, dtypes), then copy them into
+    the model's parameters one at a time (peak: the model plus one tensor)."""
     expected = model.state_dict()
-    found: dict[str, tuple[Path, torch.Tensor]] = {}
-    for f in files:
-        try:
-            tensors = load_file(str(f))
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(f"{f}: not a readable safetensors file ({exc})") from None
-        for key, tensor in tensors.items():
-            if key in found:
-                raise ModelLoadError(f"{f}: tensor {key} also appears in {found[key][0].name}")
-            found[key] = (f, tensor)
-    aliases = getattr(model, "tied_weights", {})  # name -> the parameter it shares storage with
-    missing = [k for k in expected if k not in found and k not in aliases]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
-    unexpected = [k for k in found if k not in expected]
-    if unexpected:
-        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise ModelLoadError(f"{path}: unexpected tensors {', '.join(unexpected[:5])}{more}")
-    state: dict[str, torch.Tensor] = {}
-    for key, (f, tensor) in found.items():
-        want = expected[key]
-        if tensor.dtype not in FLOAT_DTYPES:
-            raise ModelLoadError(f"{f}: tensor {key} has dtype {tensor.dtype}; supported: float32, float16, bfloat16")
-        if tuple(tensor.shape) != tuple(want.shape):
-            raise ModelLoadError(f"{f}: tensor {key} has shape {tuple(tensor.shape)}, the config needs {tuple(want.shape)}")
-        state[key] = tensor.to(want.dtype)
-    model.load_state_dict(state, strict=False)
+    with WeightFiles.open(path) as files:
+        found = files.tensors
+        aliases = getattr(model, "tied_weights", {})  # name -> the parameter it shares storage with
+        missing = [k for k in expected if k not in found and k not in aliases]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
+        unexpected = [k for k in found if k not in expected]
+        if unexpected:
+            more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+            raise ModelLoadError(f"{path}: unexpected tensors {', '.join(unexpected[:5])}{more}")
+        for key, info in found.items():
+            if info.torch_dtype not in FLOAT_DTYPES:
+                raise ModelLoadError(f"{info.file}: tensor {key} has dtype {info.torch_dtype}; supported: float32, float16, bfloat16")
+            if info.shape != tuple(expected[key].shape):
+                raise ModelLoadError(f"{info.file}: tensor {key} has shape {info.shape}, the config needs {tuple(expected[key].shape)}")
+        with torch.no_grad():
+            for _, key in progress(files.by_file(list(found))):
+                expected[key].copy_(files.read(key))  # state_dict tensors share the parameters' storage
     for name, source in aliases.items():
         if name not in found:
             model.get_parameter(name).data = model.get_parameter(source).data
@@ -203,12 +189,11 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
 
 
-def save_directory(model: nn.Module, config_dict: Mapping[str, Any], path: Path) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (float32) for ``model``."""
-    from safetensors.torch import save_file
-
+def save_directory(model: nn.Module, config_dict: Mapping[str, Any], path: Path, max_shard_bytes: int | None = None) -> None:
+    """Write ``config.json`` and the weights (float32) for ``model``: ``model.safetensors``, or
+    shards with their index past ``max_shard_bytes`` (:func:`engine.weight_files.save_sharded`)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(dict(config_dict), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     aliases = getattr(model, "tied_weights", {})
     tensors = {k: _own_storage(v.detach().to(torch.float32).cpu()) for k, v in model.state_dict().items() if k not in aliases}
-    save_file(tensors, str(path / "model.safetensors"))
+    save_sharded(tensors, path, max_shard_bytes)
