@@ -85,9 +85,12 @@ class LLM:
         kernel_backend: ``"auto"`` (the Triton kernels on CUDA, torch elsewhere), ``"torch"``
             or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests); see
             :mod:`engine.model.kernel_backend`.
+        dtype: the weights' and KV pools' dtype (``float32``, ``bfloat16``, ``float16``); None:
+            a directory's ``config.json`` ``dtype`` / ``torch_dtype``, else float32. Recurrent
+            state stays float32.
 
     Raises:
-        ValueError: an unknown model name or an invalid cache configuration.
+        ValueError: an unknown model name, dtype or an invalid cache configuration.
     """
 
     def __init__(
@@ -103,9 +106,10 @@ class LLM:
         faults: Faults | None = None,
         cost_model: CostModel | None = None,
         kernel_backend: str = "auto",
+        dtype: str | torch.dtype | None = None,
     ) -> None:
         self.device = resolve_device(device)
-        loaded = load_model(model, self.device)
+        loaded = load_model(model, self.device, dtype)
         self.model = loaded.model
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -114,7 +118,9 @@ class LLM:
         """The family's config object (``HybridConfig``, ...), for callers that need it."""
         self.cache_config = cache or CacheConfig()
         self.engine_id = engine_id or default_engine_id()
-        self.cache = PrefixCache.planned(self.layout, self.cache_config, self.model_name, self.device, torch.float32)
+        self.dtype = next(self.model.parameters()).dtype
+        """The weights' dtype, also the KV pools' (``dtype`` argument, else the checkpoint's config, else float32)."""
+        self.cache = PrefixCache.planned(self.layout, self.cache_config, self.model_name, self.device, self.dtype)
         try:
             self.kernel_backend = resolve_kernel_backend(kernel_backend, self.device, self.cache.unit_tokens)
             """The backend the layers run on (``torch`` or ``triton``)."""

@@ -65,31 +65,52 @@ class LoadedModel:
     name: str
 
 
-def load_model(ref: str | Path | Any, device: torch.device) -> LoadedModel:
-    """Load a preset name, a model directory, or a family config object (random weights).
+DTYPE_NAMES: Mapping[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The weight dtypes a model runs in (``config.json``'s ``dtype`` / ``torch_dtype``, ``--dtype``)."""
+
+
+def resolve_dtype(name: str | torch.dtype | None, where: str = "dtype") -> torch.dtype | None:
+    """``name`` (``float32``, ``bfloat16``, ``float16``, or a torch dtype) as a torch dtype.
+
+    Raises:
+        ModelLoadError: another name, naming ``where`` it came from.
+    """
+    if name is None or (isinstance(name, torch.dtype) and name in DTYPE_NAMES.values()):
+        return name
+    found = DTYPE_NAMES.get(str(name).removeprefix("torch."))
+    if found is None:
+        raise ModelLoadError(f"{where} = {name!r} is not supported; supported: {', '.join(DTYPE_NAMES)}")
+    return found
+
+
+def load_model(ref: str | Path | Any, device: torch.device, dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """Load a preset name, a model directory, or a family config object (random weights), its
+    weights in ``dtype`` (else a directory's ``config.json`` ``dtype`` / ``torch_dtype``, else
+    float32).
 
     Raises:
         ModelLoadError: an unknown preset, a missing or malformed ``config.json``, an unknown
             ``model_type``, missing / unexpected / misshapen tensors, an unsupported dtype.
     """
+    dtype = resolve_dtype(dtype)
     if not isinstance(ref, str | Path):
         model_type = getattr(ref, "model_type", None)
         if model_type not in FAMILIES:
             raise ModelLoadError(f"{type(ref).__name__} is not a model config (model_type {model_type!r})")
-        return _random(ref, f"{model_type}@{getattr(ref, 'revision', 'random')}", device)
+        return _random(ref, f"{model_type}@{getattr(ref, 'revision', 'random')}", device, dtype)
     path = Path(ref)
     if path.is_dir():
-        return load_directory(path, device)
+        return load_directory(path, device, dtype=dtype)
     preset = PRESETS.get(str(ref))
     if preset is None:
         raise ModelLoadError(f"unknown model {str(ref)!r}: not a preset ({', '.join(preset_names())}) and not a model directory")
     if preset.directory is not None:
-        return load_directory(preset.directory, device, name=str(ref))
+        return load_directory(preset.directory, device, name=str(ref), dtype=dtype)
     config_from_dict, _ = FAMILIES[preset.model_type].resolve()
-    return _random(config_from_dict({"model_type": preset.model_type, **preset.fields}), str(ref), device)
+    return _random(config_from_dict({"model_type": preset.model_type, **preset.fields}), str(ref), device, dtype)
 
 
-def _random(config: Any, name: str, device: torch.device) -> LoadedModel:
+def _random(config: Any, name: str, device: torch.device, dtype: torch.dtype | None) -> LoadedModel:
     _, build = FAMILIES[config.model_type].resolve()
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         # random weights are named by everything that makes them: the config and the seed
@@ -97,12 +118,13 @@ def _random(config: Any, name: str, device: torch.device) -> LoadedModel:
         config = dataclasses.replace(config, revision=f"{getattr(config, 'revision', 'random')}+{digest}")
     model = build(config)
     model.init_random(getattr(config, "seed", 0))
-    model.to(device).eval()
+    model.to(device=device, dtype=dtype or torch.float32).eval()
     return LoadedModel(model, ByteTokenizer(), name)
 
 
-def load_directory(path: Path, device: torch.device, name: str | None = None) -> LoadedModel:
-    """Load ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json``) from ``path``."""
+def load_directory(path: Path, device: torch.device, name: str | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json``) from ``path``, in
+    ``dtype`` (else the config's ``dtype`` / ``torch_dtype``, else float32)."""
     config_path = path / "config.json"
     try:
         raw = json.loads(config_path.read_text(encoding="utf-8"))
@@ -119,13 +141,15 @@ def load_directory(path: Path, device: torch.device, name: str | None = None) ->
             f"{config_path}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
         )
     config_from_dict, build = family.resolve()
+    declared_dtype = raw.get("dtype", raw.get("torch_dtype"))
+    dtype = dtype or resolve_dtype(declared_dtype, f"{config_path}: dtype") or torch.float32
     try:
         declared = raw.get("revision")
         content = _revision(path)  # a declared revision alone may name two different trainings
         config = config_from_dict({**raw, "revision": f"{declared}+{content}" if declared else content})
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from None
-    model = build(config)
+    model = build(config).to(dtype)  # in its dtype before the weights arrive: one copy of them
     _load_weights(model, path)
     tokenizer = _tokenizer(path, config)
     model.to(device).eval()

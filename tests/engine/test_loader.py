@@ -16,7 +16,7 @@ from engine.config import HybridConfig, hybrid_config_to_dict
 from engine.loader import ModelLoadError, load_model, save_directory
 from engine.model.hybrid import HybridForCausalLM
 from engine.tokenizer import HFTokenizer, StreamDecoder
-from tests.helpers import tokens
+from tests.helpers import TOLERANCE, tokens
 
 CPU = torch.device("cpu")
 
@@ -154,3 +154,57 @@ def test_kvscope_generate_streams_the_greedy_completion(capsys: pytest.CaptureFi
     assert done.value.code == 0
     expected = LLM("kvscope_hybrid-small").generate("The cache", SamplingParams(max_tokens=7))[0].text
     assert capsys.readouterr().out == "The cache" + expected + "\n"
+
+
+def test_the_config_dtype_is_honoured_and_the_argument_overrides_it(tmp_path: Path) -> None:
+    path, model = saved(tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "torch_dtype": "float16"}))
+    half = LLM(str(path), device="cpu")
+    pool = next(iter(half.cache.kv_forms[0].kv_groups.values()))
+    assert half.dtype == torch.float16 and pool.dtype == torch.float16
+    assert all(p.dtype == torch.float16 for p in half.model.parameters())
+    ids = tokens(70, 1)
+    half.score(ids)
+    follow_up = [*ids, *tokens(20, 2)]
+    warm = half.score(follow_up)
+    assert warm.resume_tokens == 64
+    cold = half.prefill_logits(follow_up)[warm.resume_tokens :]
+    assert (warm.logits - cold).abs().max().item() <= TOLERANCE[torch.float16]
+    exact = LLM(str(path), device="cpu", dtype="float32")  # the argument (the CLI's --dtype) wins
+    with torch.no_grad():
+        reference = model(torch.tensor(ids), torch.arange(70), model.new_dense_state())
+    assert exact.dtype == torch.float32 and torch.equal(exact.prefill_logits(ids), reference)
+
+
+def test_bfloat16_runs_on_cpu_with_bfloat16_pools() -> None:
+    llm = LLM("deepseek_v4-tiny", device="cpu", dtype="bfloat16", check_invariants=True)
+    assert llm.dtype == torch.bfloat16
+    assert {t.tensor.dtype for f in llm.cache.forms if f.form != "linear_state" for t in f.stored_tensors()} == {torch.bfloat16}
+    ids = tokens(40, 3)
+    llm.score(ids)
+    out = llm.score([*ids, *tokens(9, 4)])
+    assert out.resume_tokens == 32 and torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize(("where", "value"), [("config", "int4"), ("argument", "float64")])
+def test_an_unsupported_dtype_names_where_it_came_from(tmp_path: Path, where: str, value: str) -> None:
+    path, _ = saved(tmp_path)
+    if where == "config":
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, "dtype": value}))
+    with pytest.raises(ModelLoadError, match=rf"{'config.json: ' if where == 'config' else ''}dtype = '{value}' is not supported; supported: float32, bfloat16, float16"):
+        load_model(path, CPU, None if where == "config" else value)
+
+
+def test_kvscope_generate_runs_in_the_dtype_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.loader import DTYPE_NAMES
+    from kvscope.cli import main
+    from kvscope.cli_parser import DTYPES
+
+    assert tuple(DTYPE_NAMES) == DTYPES
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--model", "qwen3_next-tiny", "--dtype", "float16", "--prompt", "ab", "--max-tokens", "5"])
+    assert done.value.code == 0
+    half = LLM("qwen3_next-tiny", dtype="float16").generate("ab", SamplingParams(max_tokens=5))[0].text
+    assert capsys.readouterr().out == "ab" + half + "\n"
