@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,9 @@ from engine.load_errors import ModelLoadError
 from engine.model.base import CausalLM
 from engine.presets import PRESETS, preset_names
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from engine.weight_files import WeightFiles, progress, save_sharded
+from engine.weight_files import TensorInfo, WeightFiles, progress, save_sharded
+
+log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -41,16 +44,26 @@ class Family:
     module: str
     config_from_dict: str
     build: str
+    checkpoint_name: str | None = None
+    """A function of the module mapping a checkpoint's tensor name to the model's (None: a
+    tensor the engine does not load, such as a vision tower); absent: names are the model's."""
 
     def resolve(self) -> tuple[Callable[[Mapping[str, Any]], Any], Callable[[Any], CausalLM]]:
         mod = importlib.import_module(self.module)
         return getattr(mod, self.config_from_dict), getattr(mod, self.build)
 
+    def names(self) -> Callable[[str], str | None]:
+        if self.checkpoint_name is None:
+            return lambda name: name
+        return getattr(importlib.import_module(self.module), self.checkpoint_name)
 
+
+QWEN3_5 = Family("engine.model.qwen3_5", "config_from_dict", "build", "checkpoint_name")
 FAMILIES: Mapping[str, Family] = {
     "kvscope_hybrid": Family("engine.model.hybrid", "config_from_dict", "build"),
     "qwen3_next": Family("engine.model.qwen3_next", "config_from_dict", "build"),
     "deepseek_v4": Family("engine.model.deepseek_v4", "config_from_dict", "build"),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"), QWEN3_5),
 }
 """``model_type`` → family."""
 
@@ -150,7 +163,7 @@ def load_directory(path: Path, device: torch.device, name: str | None = None, dt
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from None
     model = build(config).to(dtype)  # in its dtype before the weights arrive: one copy of them
-    _load_weights(model, path)
+    _load_weights(model, path, family.names())
     tokenizer = _tokenizer(path, config)
     model.to(device).eval()
     return LoadedModel(model, tokenizer, name or str(path))
@@ -166,29 +179,46 @@ def _revision(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _load_weights(model: nn.Module, path: Path) -> None:
+def _load_weights(model: nn.Module, path: Path, names: Callable[[str], str | None] = lambda name: name) -> None:
     """Check every tensor from the files' headers (names, shapes, dtypes), then copy them into
-    the model's parameters one at a time (peak: the model plus one tensor)."""
+    the model's parameters one at a time (peak: the model plus one tensor). ``names`` maps a
+    checkpoint name to the model's (None: not loaded; logged once per leading name part)."""
     expected = model.state_dict()
     with WeightFiles.open(path) as files:
-        found = files.tensors
+        found: dict[str, TensorInfo] = {}
+        stored_as: dict[str, str] = {}  # the model's name -> the checkpoint's
+        skipped: dict[str, int] = {}
+        for key, info in files.tensors.items():
+            mine = names(key)
+            if mine is None:
+                part = ".".join(key.split(".")[:2])
+                skipped[part] = skipped.get(part, 0) + 1
+                continue
+            if mine in found:
+                raise ModelLoadError(f"{info.file}: tensors {stored_as[mine]} and {key} are both {mine}")
+            found[mine], stored_as[mine] = info, key
+        for part, n in skipped.items():
+            log.info("%s: %d tensors under %s.* are not loaded (this engine does not run them)", path, n, part)
         aliases = getattr(model, "tied_weights", {})  # name -> the parameter it shares storage with
         missing = [k for k in expected if k not in found and k not in aliases]
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
-        unexpected = [k for k in found if k not in expected]
+        unexpected = [stored_as[k] for k in found if k not in expected]
         if unexpected:
             more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
             raise ModelLoadError(f"{path}: unexpected tensors {', '.join(unexpected[:5])}{more}")
-        for key, info in found.items():
+        for mine, info in found.items():
+            key = stored_as[mine]
             if info.torch_dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(f"{info.file}: tensor {key} has dtype {info.torch_dtype}; supported: float32, float16, bfloat16")
-            if info.shape != tuple(expected[key].shape):
-                raise ModelLoadError(f"{info.file}: tensor {key} has shape {info.shape}, the config needs {tuple(expected[key].shape)}")
+            if info.shape != tuple(expected[mine].shape):
+                raise ModelLoadError(f"{info.file}: tensor {key} has shape {info.shape}, the config needs {tuple(expected[mine].shape)}")
+        order = files.by_file(stored_as.values())
+        model_name = {key: mine for mine, key in stored_as.items()}
         with torch.no_grad():
-            for _, key in progress(files.by_file(list(found))):
-                expected[key].copy_(files.read(key))  # state_dict tensors share the parameters' storage
+            for _, key in progress(order):
+                expected[model_name[key]].copy_(files.read(key))  # state_dict tensors share the parameters' storage
     for name, source in aliases.items():
         if name not in found:
             model.get_parameter(name).data = model.get_parameter(source).data

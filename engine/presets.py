@@ -24,6 +24,19 @@ class Preset:
     directory: Path | None = None
 
 
+_QWEN3_5_TINY: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4, "revision": "random-init-0",
+}  # fmt: skip
+"""What the Qwen3.5 tiny presets share (the decoder of Qwen3.5's 3:1 linear:full pattern)."""
+_QWEN3_5_MOE_TINY: dict[str, Any] = {
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+}  # fmt: skip
+
 PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
         "kvscope_hybrid-small": Preset(model_type="kvscope_hybrid", directory=WEIGHTS_DIR / "kvscope_hybrid-small"),
@@ -62,6 +75,11 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                 "norm_topk_prob": True,
                 "revision": "random-init-0",
             },
+        ),
+        "qwen3_5-tiny": Preset(model_type="qwen3_5_text", fields=_QWEN3_5_TINY | {"intermediate_size": 128}),
+        "qwen3_5_moe-tiny": Preset(
+            model_type="qwen3_5_moe_text",
+            fields=_QWEN3_5_TINY | _QWEN3_5_MOE_TINY,
         ),
         "deepseek_v4-tiny": Preset(
             model_type="deepseek_v4",

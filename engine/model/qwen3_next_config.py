@@ -19,6 +19,9 @@ from typing import Any
 from engine.model.config_fields import HF_BOOKKEEPING_KEYS, config_fields_from_dict
 
 MODEL_TYPE = "qwen3_next"
+MODEL_TYPES = (MODEL_TYPE, "qwen3_5_text", "qwen3_5_moe_text")
+"""The text decoders this config describes: Qwen3-Next, and Qwen3.5 dense and MoE (the same
+layers, Gated DeltaNet with one input projection per output; :mod:`engine.model.qwen3_5_config`)."""
 LAYER_KINDS = ("linear_attention", "full_attention")
 """The layer kinds Qwen3-Next mixes (DESIGN.md §3 names)."""
 
@@ -110,8 +113,8 @@ class Qwen3NextConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.model_type != MODEL_TYPE:
-            raise ValueError(f"model_type = {self.model_type!r}; this family is {MODEL_TYPE!r}")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type = {self.model_type!r}; this family is one of {MODEL_TYPES}")
         positive = (
             "vocab_size",
             "hidden_size",
@@ -178,6 +181,12 @@ class Qwen3NextConfig:
 
     # -- derived values ----------------------------------------------------------------------------
     @property
+    def split_linear_projections(self) -> bool:
+        """Qwen3.5's Gated DeltaNet projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+        ``in_proj_a``) instead of Qwen3-Next's head-grouped ``in_proj_qkvz`` / ``in_proj_ba``."""
+        return self.model_type != MODEL_TYPE
+
+    @property
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (transformers truncates with ``int``)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -201,7 +210,7 @@ class Qwen3NextConfig:
         return tuple(i for i, k in enumerate(self.layer_types) if k == kind)
 
 
-def config_from_dict(raw: Mapping[str, Any]) -> Qwen3NextConfig:
+def config_from_dict(raw: Mapping[str, Any], model_type: str = MODEL_TYPE) -> Qwen3NextConfig:
     """A :class:`Qwen3NextConfig` from a ``config.json`` mapping as transformers'
     ``save_pretrained`` writes it (older layouts with top-level RoPE keys are accepted too).
 
@@ -211,8 +220,8 @@ def config_from_dict(raw: Mapping[str, Any]) -> Qwen3NextConfig:
             quantization, an activation other than SiLU, ...).
     """
     data = dict(raw)
-    if data.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-        raise ValueError(f"model_type {data.get('model_type')!r} is not {MODEL_TYPE}")
+    if data.get("model_type", model_type) != model_type:
+        raise ValueError(f"model_type {data.get('model_type')!r} is not {model_type}")
     for key in IGNORED_KEYS:
         data.pop(key, None)
     if "quantization_config" in data:

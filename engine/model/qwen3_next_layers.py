@@ -121,7 +121,9 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNetBase):
 
     ``in_proj_qkvz`` is laid out per key head: for each of the H_k groups, ``[q (D_k), k (D_k),
     v (r·D_v), z (r·D_v)]``; ``in_proj_ba`` likewise ``[b (r), a (r)]``. Value head ``j·r + i``
-    belongs to key head j. ``conv1d.weight [C_conv, 1, K]`` is the conv kernel (only the weight
+    belongs to key head j. Qwen3.5 (``config.split_linear_projections``) has one projection per
+    output instead, every head contiguous: ``in_proj_qkv`` ``[q (H_k·D_k), k, v (H_v·D_v)]``,
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (transformers' ``Qwen3_5GatedDeltaNet``). ``conv1d.weight [C_conv, 1, K]`` is the conv kernel (only the weight
     is used: the conv continues from the state); ``norm`` is the gated RMSNorm with ``silu(z)``.
     forward: ``x [T, C]`` → ``[T, C]``.
     """
@@ -129,8 +131,15 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNetBase):
     def __init__(self, config: Qwen3NextConfig, layer: int) -> None:
         super().__init__(config, layer)
         c = config.hidden_size
-        self.in_proj_qkvz = nn.Linear(c, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(c, 2 * self.num_v_heads, bias=False)
+        self.split = config.split_linear_projections
+        if self.split:  # Qwen3.5: one projection per output, heads contiguous
+            self.in_proj_qkv = nn.Linear(c, 2 * self.key_dim + self.value_dim, bias=False)
+            self.in_proj_z = nn.Linear(c, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(c, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(c, self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(c, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(c, 2 * self.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False, padding=self.conv_kernel - 1
         )
@@ -144,6 +153,10 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNetBase):
         head-grouped fused projections."""
         t, r = x.shape[0], self.heads_per_key
         dk, dv = self.head_k_dim, self.head_v_dim
+        if self.split:
+            q, k, v = torch.split(self.in_proj_qkv(x), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            z = self.in_proj_z(x).view(t, self.num_v_heads, dv)
+            return q, k, v, z, self.in_proj_b(x), self.in_proj_a(x)
         qkvz = self.in_proj_qkvz(x).view(t, self.num_k_heads, 2 * dk + 2 * r * dv)
         q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
         b, a = torch.split(self.in_proj_ba(x).view(t, self.num_k_heads, 2 * r), [r, r], dim=-1)

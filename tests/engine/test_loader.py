@@ -88,7 +88,7 @@ def test_broken_weights_name_the_tensor(tmp_path: Path, change, message: str) ->
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda c: c.update(model_type="llama"), "model_type 'llama' is not supported; supported: deepseek_v4, kvscope_hybrid, qwen3_next"),
+        (lambda c: c.update(model_type="llama"), "model_type 'llama' is not supported; supported: deepseek_v4, kvscope_hybrid, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next"),
         (lambda c: c.update(mystery=1), "unknown field 'mystery'"),
         (lambda c: c.update(hidden_size="64"), "field 'hidden_size' must be an integer"),
         (lambda c: c.update(layer_types=["full_attention", "cross_attention"]), r"layer_types\[1\] = 'cross_attention'"),
