@@ -284,13 +284,18 @@ class Run:
         llm = self.llm
         assert llm is not None
         kind, *_, max_tokens = op
+        # copies down to the disk tier are written on threads: let every one finish before the
+        # next step and after each offload, so what a step sees never depends on the machine's speed
+        self.settle(llm)
         if kind == "lookups":
             self.lookups(op)
         elif kind == "offload":
             llm.offload(self.tier(op))
+            self.settle(llm)
         elif kind == "drop":  # offload, lose one deep tier entry, ask for the next turn
             if self.history:
                 llm.offload(self.tier(op))
+                self.settle(llm)
                 ids = self.history[int(op[4]) % len(self.history)]  # type: ignore[call-overload]
                 self.drop(ids, int(op[4]), deep=True)  # type: ignore[call-overload]
                 self.request("score", [*ids, *rand_tokens(int(op[3]) + 1, int(op[4]))], False)  # type: ignore[call-overload]
@@ -298,6 +303,7 @@ class Run:
             self.validate(op)
         elif kind == "prefetch":  # offload, prefetch a next turn (maybe losing a copy in flight)
             llm.offload(self.tier(op))
+            self.settle(llm)
             ids = self.prompt(op)
             if self.history and int(op[5]) > 2:  # type: ignore[call-overload]
                 ids = [*self.history[int(op[4]) % len(self.history)], *rand_tokens(int(op[3]) + 1, int(op[4]))]  # type: ignore[call-overload]
@@ -306,6 +312,7 @@ class Run:
                 self.drop(ids, int(op[4]), in_flight=True)  # type: ignore[call-overload]
             if llm.cache_config.swap_in_wait and not self.faults().read_during_swap_in:
                 llm.cache.settle(wait=True)  # without the hold a copy's timing is not ours to decide
+            self.settle(llm)  # the copies down its allocations caused
             self.lookups(op, count=4, ids=ids)
             self.request("score", ids, False)
         elif kind == "restart":
