@@ -218,7 +218,7 @@ def _load_weights(model: nn.Module, path: Path, names: Callable[[str], str | Non
         model_name = {key: mine for mine, key in stored_as.items()}
         with torch.no_grad():
             for _, key in progress(order):
-                expected[model_name[key]].copy_(files.read(key))  # state_dict tensors share the parameters' storage
+                files.read_into(key, expected[model_name[key]])  # state_dict tensors share the parameters' storage
     for name, source in aliases.items():
         if name not in found:
             model.get_parameter(name).data = model.get_parameter(source).data

@@ -1,23 +1,25 @@
 """The safetensors files of a model directory, as Hugging Face lays them out: one file, or
 shards named by ``model.safetensors.index.json`` (its ``weight_map``: tensor name → file).
 
-Every file is opened memory-mapped (``safetensors.safe_open``) and only its header is read up
-front, so the whole checkpoint is checked — the index against the files (every shard it names
+Every file is validated by the safetensors library (``safe_open``) and only its header is read
+up front, so the whole checkpoint is checked — the index against the files (every shard it names
 present, no ``*.safetensors`` file left out, every tensor it names held by its file and every
-tensor of a file named) and each file's header intact — before any tensor is read. Tensors are
-then read one at a time (:meth:`WeightFiles.read`): loading holds the model plus one tensor, not
-the checkpoint twice. Layout source: transformers' ``modeling_utils`` sharded-checkpoint format.
+tensor of a file named) and each file intact — before any tensor is read. Tensors are then read
+one at a time with positioned reads straight into the model's parameters
+(:meth:`WeightFiles.read_into`; no memory map, whose touched pages would stay resident): loading
+holds the model plus at most one tensor, not the checkpoint twice. Layout source: the
+safetensors format and transformers' ``modeling_utils`` sharded-checkpoint format.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -41,6 +43,9 @@ class TensorInfo:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    start: int = 0
+    """Byte offset of its data in the file."""
+    nbytes: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype | str:
@@ -66,7 +71,7 @@ class WeightFiles:
         self.index = index
         """The index file, when the checkpoint is sharded (None: the files were globbed)."""
         self._stack = ExitStack()
-        self._handles: dict[Path, Any] = {}
+        self._open: tuple[Path, io.BufferedReader] | None = None
 
     # -- discovery ---------------------------------------------------------------------------
     @classmethod
@@ -101,25 +106,45 @@ class WeightFiles:
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
-        self._handles.clear()
+        self._open = None
 
-    def read(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` (CPU, memory-mapped until copied by the caller).
+    def read_into(self, name: str, target: torch.Tensor) -> None:
+        """Copy tensor ``name`` into ``target`` (same shape): its bytes are read straight into
+        ``target``'s storage when the dtypes agree and it is contiguous, else through one
+        temporary tensor — never through a memory map, so a load holds the model plus at most
+        one tensor. One file is open at a time (read in :meth:`by_file` order).
 
         Raises:
             ModelLoadError: its bytes cannot be read (named with the file).
             KeyError: no file holds ``name`` (check :attr:`tensors` first).
         """
-        from safetensors import SafetensorError, safe_open
-
         info = self.tensors[name]
-        handle = self._handles.get(info.file)
+        dtype = info.torch_dtype
+        direct = target.dtype == dtype and target.is_contiguous() and target.device.type == "cpu"
+        buffer = target if direct else torch.empty(info.shape, dtype=dtype)  # type: ignore[arg-type]
+        if buffer.nbytes != info.nbytes:
+            raise ModelLoadError(f"{info.file}: tensor {name} holds {info.nbytes} bytes, its header's shape and dtype need {buffer.nbytes}")
+        if self._open is None or self._open[0] != info.file:
+            if self._open is not None:
+                self._open[1].close()
+            self._open = (info.file, self._stack.enter_context(info.file.open("rb")))
+        fh = self._open[1]
         try:
-            if handle is None:
-                handle = self._handles[info.file] = self._stack.enter_context(safe_open(str(info.file), framework="pt"))
-            return handle.get_tensor(name)
-        except (SafetensorError, OSError) as exc:
+            fh.seek(info.start)
+            got = fh.readinto(buffer.view(torch.uint8).reshape(-1).numpy().data)
+        except OSError as exc:
             raise ModelLoadError(f"{info.file}: tensor {name} cannot be read ({exc})") from None
+        if got != info.nbytes:
+            raise ModelLoadError(f"{info.file}: tensor {name} is cut short ({got} of {info.nbytes} bytes)")
+        if not direct:
+            target.copy_(buffer)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a new CPU tensor (see :meth:`read_into`)."""
+        info = self.tensors[name]
+        out = torch.empty(info.shape, dtype=info.torch_dtype)  # type: ignore[arg-type]
+        self.read_into(name, out)
+        return out
 
     def by_file(self, names: Iterable[str]) -> dict[Path, list[str]]:
         """``names`` grouped by the file holding them, in file order (one file open at a time)."""
@@ -154,17 +179,26 @@ def _read_index(index: Path) -> tuple[list[Path], dict[str, str]]:
 
 
 def _header(f: Path) -> dict[str, TensorInfo]:
+    """Every tensor of ``f``: the safetensors library validates the file (a truncated or corrupt
+    one is refused), then the header's ``data_offsets`` (format: an 8-byte little-endian length,
+    that many bytes of JSON, the data) give where each tensor's bytes lie."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(str(f), framework="pt") as handle:
-            out = {}
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
-                s = handle.get_slice(name)
-                out[name] = TensorInfo(f, str(s.get_dtype()), tuple(int(d) for d in s.get_shape()))
-            return out
-    except (SafetensorError, OSError) as exc:
+        with safe_open(str(f), framework="pt"):
+            pass
+        with f.open("rb") as fh:
+            length = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(length))
+    except (SafetensorError, OSError, ValueError) as exc:
         raise ModelLoadError(f"{f}: not a readable safetensors file ({exc})") from None
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        out[name] = TensorInfo(f, str(entry["dtype"]), tuple(int(d) for d in entry["shape"]), 8 + length + begin, end - begin)
+    return out
 
 
 def progress(files: Mapping[Path, list[str]]) -> Iterator[tuple[Path, str]]:

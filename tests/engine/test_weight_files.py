@@ -5,7 +5,6 @@ checkpoint a clear error naming the file or tensor (issue 21, items 1 and 6)."""
 from __future__ import annotations
 
 import json
-import weakref
 from pathlib import Path
 
 import pytest
@@ -52,23 +51,54 @@ def test_a_sharded_checkpoint_loads_exactly(tmp_path: Path) -> None:
     assert torch.equal(llm.prefill_logits(ids), reference)
 
 
-def test_tensors_are_read_one_at_a_time_never_a_whole_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path, _ = sharded(tmp_path)
+def test_tensors_are_read_into_the_parameters_never_through_a_whole_file_or_a_map(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each tensor's bytes go straight into its parameter (float32 both sides: no temporary):
+    never ``load_file`` (the whole file) nor ``get_tensor`` (a memory map whose pages stay
+    resident)."""
+    path, model = sharded(tmp_path)
+    import safetensors
     import safetensors.torch
 
     monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("a whole file was loaded"))
-    alive: list[weakref.ref] = []
-    read = WeightFiles.read
+    real_open = safetensors.safe_open
 
-    def one_at_a_time(self: WeightFiles, name: str) -> torch.Tensor:
-        assert all(r() is None for r in alive), "an earlier tensor is still held while reading the next"
-        t = read(self, name)
-        alive.append(weakref.ref(t))
-        return t
+    class NoTensors:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.inner = real_open(*args, **kwargs)
 
-    monkeypatch.setattr(WeightFiles, "read", one_at_a_time)
-    load_model(path, CPU)
-    assert len(alive) == len(index_of(path)["weight_map"])
+        def __enter__(self) -> NoTensors:
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.inner.__exit__(*exc)
+
+        def get_tensor(self, name: str) -> None:
+            pytest.fail(f"{name} was read through a memory map")
+
+    monkeypatch.setattr(safetensors, "safe_open", NoTensors)
+    direct: list[bool] = []
+    read_into = WeightFiles.read_into
+
+    def recording(self: WeightFiles, name: str, target: torch.Tensor) -> None:
+        direct.append(target.dtype == self.tensors[name].torch_dtype and target.is_contiguous())
+        read_into(self, name, target)
+
+    monkeypatch.setattr(WeightFiles, "read_into", recording)
+    loaded = load_model(path, CPU)
+    assert len(direct) == len(index_of(path)["weight_map"]) and all(direct)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], tensor), name
+
+
+def test_a_tensor_whose_bytes_disagree_with_its_header_is_refused(tmp_path: Path) -> None:
+    path, _ = sharded(tmp_path)
+    files = WeightFiles.open(path)
+    name, info = next(iter(files.tensors.items()))
+    with files, pytest.raises(ModelLoadError, match=rf"tensor {name} holds"):
+        files.read_into(name, torch.empty(info.shape[0] + 1, *info.shape[1:]))
 
 
 def test_a_missing_shard_names_the_file(tmp_path: Path) -> None:
