@@ -36,9 +36,9 @@ class Qwen3NextDecoderLayer(nn.Module):
     forward: ``x [T, C]``, ``positions [T]``, rotary tables ``[T, R]``, state → ``[T, C]``.
     """
 
-    def __init__(self, config: Qwen3NextConfig, layer: int) -> None:
+    def __init__(self, config: Qwen3NextConfig, layer: int, *, kind: str | None = None, sparse: bool | None = None) -> None:
         super().__init__()
-        self.kind = config.layer_types[layer]
+        self.kind = kind or config.layer_types[layer]
         self.linear_attn: Qwen3NextGatedDeltaNet | None = None
         self.self_attn: Qwen3NextAttention | None = None
         if self.kind == "linear_attention":
@@ -46,7 +46,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.self_attn = Qwen3NextAttention(config, layer)
         self.mlp: Qwen3NextSparseMoe | SwiGLU
-        if config.is_sparse_layer(layer):
+        if config.is_sparse_layer(layer) if sparse is None else sparse:
             self.mlp = Qwen3NextSparseMoe(config)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
@@ -62,6 +62,38 @@ class Qwen3NextDecoderLayer(nn.Module):
             return self.linear_attn(h, state)
         assert self.self_attn is not None and rope is not None
         return self.self_attn(h, positions, rope, state)
+
+
+class Qwen3NextMTP(nn.Module):
+    """Multi-token prediction (``mtp.*`` of released Qwen3-Next and Qwen3.5 checkpoints;
+    layout as vLLM's ``Qwen3NextMultiTokenPredictor`` reads it): ``pre_fc_norm_embedding`` and
+    ``pre_fc_norm_hidden`` (zero-centred RMSNorms), ``fc [C, 2C]`` over the concatenated
+    ``[embedding, hidden]``, ``mtp_num_hidden_layers`` full-attention decoder layers (the main
+    model's MLP kind: MoE when its layers are sparse) and a final ``norm``. The embedding and the
+    LM head are the main model's.
+
+    forward: next-token embeddings ``[T, C]``, the main model's last hidden states ``[T, C]``,
+    ``positions [T]``, rotary tables and a state for its attention layers (indices
+    ``num_hidden_layers + i``) → hidden states ``[T, C]``. Not yet checked against a reference
+    (transformers skips ``mtp.*``); nothing in the engine calls it yet.
+    """
+
+    def __init__(self, config: Qwen3NextConfig) -> None:
+        super().__init__()
+        c, eps, n = config.hidden_size, config.rms_norm_eps, config.num_hidden_layers
+        sparse = config.num_experts > 0 and any(config.is_sparse_layer(i) for i in range(n))
+        self.pre_fc_norm_embedding = ZeroCentredRMSNorm(c, eps)
+        self.pre_fc_norm_hidden = ZeroCentredRMSNorm(c, eps)
+        self.fc = nn.Linear(2 * c, c, bias=False)
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(config, n + i, kind="full_attention", sparse=sparse) for i in range(config.mtp_num_hidden_layers)
+        )
+        self.norm = ZeroCentredRMSNorm(c, eps)
+
+    def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], state: SequenceState, step: int = 0) -> Tensor:
+        x = self.fc(torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), dim=-1))
+        x = self.layers[step % len(self.layers)](x, positions, rope, state)
+        return self.norm(x)
 
 
 class Qwen3NextModel(nn.Module):
@@ -108,6 +140,9 @@ class Qwen3NextForCausalLM(CausalLM):
         self.config = config
         self.model = Qwen3NextModel(config)
         self.attach_lm_head(config.hidden_size, config.vocab_size, self.model.embed_tokens, config.tie_word_embeddings)
+        self.mtp = Qwen3NextMTP(config) if config.mtp_num_hidden_layers else None
+        """The released checkpoints' multi-token-prediction module (``mtp.*``); loaded and kept,
+        not run by ``forward`` (speculative decoding will call it)."""
 
     def init_random(self, seed: int) -> None:
         """Deterministic random weights, initialised as transformers initialises Qwen3-Next:

@@ -108,6 +108,9 @@ class Qwen3NextConfig:
     num_experts_per_tok: int = 10
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0
+    """Decoder layers of the multi-token-prediction module released checkpoints carry (``mtp.*``;
+    also read from ``num_nextn_predict_layers``); 0: none."""
     initializer_range: float = 0.02
     revision: str = "random-init-0"
     seed: int = 0
@@ -168,6 +171,8 @@ class Qwen3NextConfig:
         for i, layer in enumerate(self.mlp_only_layers):
             if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_hidden_layers:
                 raise ValueError(f"mlp_only_layers[{i}] = {layer!r} is not a layer index in [0, {self.num_hidden_layers})")
+        if isinstance(self.mtp_num_hidden_layers, bool) or self.mtp_num_hidden_layers < 0:
+            raise ValueError(f"mtp_num_hidden_layers = {self.mtp_num_hidden_layers!r} must be an integer ≥ 0")
         if self.num_experts < 0:
             raise ValueError(f"num_experts = {self.num_experts} must be ≥ 0 (0: dense MLP in every layer)")
         if any(self.is_sparse_layer(i) for i in range(self.num_hidden_layers)):
@@ -230,6 +235,12 @@ def config_from_dict(raw: Mapping[str, Any], model_type: str = MODEL_TYPE) -> Qw
         raise ValueError("use_sliding_window = true is not supported for qwen3_next")
     for key in _SLIDING_WINDOW_KEYS:
         data.pop(key, None)
+    if data.pop("mtp_use_dedicated_embeddings", False) not in (False, None):
+        raise ValueError("mtp_use_dedicated_embeddings = true is not supported (the MTP module shares the embedding)")
+    if "num_nextn_predict_layers" in data:  # another name for the same count
+        n = data.pop("num_nextn_predict_layers")
+        if data.setdefault("mtp_num_hidden_layers", n) != n:
+            raise ValueError(f"num_nextn_predict_layers = {n} disagrees with mtp_num_hidden_layers = {data['mtp_num_hidden_layers']}")
     rope = _rope_fields(data)
     interval = data.pop("full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL)
     for key in ("layer_types", "mlp_only_layers"):  # transformers treats null as absent
