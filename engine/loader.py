@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.fp8_weights import SCALE_DTYPES, SCALE_SUFFIX, WEIGHT_DTYPES, Fp8Format
 from engine.load_errors import ModelLoadError
 from engine.model.base import CausalLM
 from engine.presets import PRESETS, preset_names
@@ -154,6 +155,11 @@ def load_directory(path: Path, device: torch.device, name: str | None = None, dt
             f"{config_path}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
         )
     config_from_dict, build = family.resolve()
+    quantization = raw.pop("quantization_config", None)
+    try:
+        fp8 = None if quantization is None else Fp8Format.from_config(quantization if isinstance(quantization, dict) else {})
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_path}: {exc}") from None
     declared_dtype = raw.get("dtype", raw.get("torch_dtype"))
     dtype = dtype or resolve_dtype(declared_dtype, f"{config_path}: dtype") or torch.float32
     try:
@@ -163,7 +169,7 @@ def load_directory(path: Path, device: torch.device, name: str | None = None, dt
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from None
     model = build(config).to(dtype)  # in its dtype before the weights arrive: one copy of them
-    _load_weights(model, path, family.names())
+    _load_weights(model, path, family.names(), fp8)
     tokenizer = _tokenizer(path, config)
     model.to(device).eval()
     return LoadedModel(model, tokenizer, name or str(path))
@@ -179,20 +185,26 @@ def _revision(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _load_weights(model: nn.Module, path: Path, names: Callable[[str], str | None] = lambda name: name) -> None:
+def _load_weights(
+    model: nn.Module, path: Path, names: Callable[[str], str | None] = lambda name: name, fp8: Fp8Format | None = None
+) -> None:
     """Check every tensor from the files' headers (names, shapes, dtypes), then copy them into
     the model's parameters one at a time (peak: the model plus one tensor). ``names`` maps a
-    checkpoint name to the model's (None: not loaded; logged once per leading name part)."""
+    checkpoint name to the model's (None: not loaded; logged once per leading name part); with
+    ``fp8``, a ``float8_e4m3fn`` weight and its ``weight_scale_inv`` are dequantized into it."""
     expected = model.state_dict()
     with WeightFiles.open(path) as files:
         found: dict[str, TensorInfo] = {}
         stored_as: dict[str, str] = {}  # the model's name -> the checkpoint's
         skipped: dict[str, int] = {}
+        scales = {k for k in files.tensors if fp8 is not None and k.endswith(SCALE_SUFFIX)}
         for key, info in files.tensors.items():
-            mine = names(key)
+            mine = names(key.removesuffix(SCALE_SUFFIX)) if key in scales else names(key)
             if mine is None:
                 part = ".".join(key.split(".")[:2])
                 skipped[part] = skipped.get(part, 0) + 1
+                continue
+            if key in scales:
                 continue
             if mine in found:
                 raise ModelLoadError(f"{info.file}: tensors {stored_as[mine]} and {key} are both {mine}")
@@ -205,12 +217,16 @@ def _load_weights(model: nn.Module, path: Path, names: Callable[[str], str | Non
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
         unexpected = [stored_as[k] for k in found if k not in expected]
+        unexpected += [k for k in scales if k.removesuffix(SCALE_SUFFIX) not in stored_as.values()]
         if unexpected:
             more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
             raise ModelLoadError(f"{path}: unexpected tensors {', '.join(unexpected[:5])}{more}")
+        quantized = {}
         for mine, info in found.items():
             key = stored_as[mine]
-            if info.torch_dtype not in FLOAT_DTYPES:
+            if fp8 is not None and info.dtype in WEIGHT_DTYPES:
+                quantized[key] = _check_fp8(files, key, info, fp8)
+            elif info.torch_dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(f"{info.file}: tensor {key} has dtype {info.torch_dtype}; supported: float32, float16, bfloat16")
             if info.shape != tuple(expected[mine].shape):
                 raise ModelLoadError(f"{info.file}: tensor {key} has shape {info.shape}, the config needs {tuple(expected[mine].shape)}")
@@ -218,10 +234,31 @@ def _load_weights(model: nn.Module, path: Path, names: Callable[[str], str | Non
         model_name = {key: mine for mine, key in stored_as.items()}
         with torch.no_grad():
             for _, key in progress(order):
-                files.read_into(key, expected[model_name[key]])  # state_dict tensors share the parameters' storage
+                target = expected[model_name[key]]  # state_dict tensors share the parameters' storage
+                if key in quantized and fp8 is not None:
+                    target.copy_(fp8.dequantize(files.read(key), files.read(quantized[key])))
+                else:
+                    files.read_into(key, target)
     for name, source in aliases.items():
         if name not in found:
             model.get_parameter(name).data = model.get_parameter(source).data
+
+
+def _check_fp8(files: WeightFiles, key: str, info: TensorInfo, fp8: Fp8Format) -> str:
+    """The scale tensor of FP8 weight ``key``, checked (present, its dtype, its shape).
+
+    Raises:
+        ModelLoadError: naming the tensor and the file.
+    """
+    scale_key = key + SCALE_SUFFIX
+    scale = files.tensors.get(scale_key)
+    if scale is None:
+        raise ModelLoadError(f"{info.file}: tensor {key} is {info.torch_dtype} without its {scale_key}")
+    if scale.dtype not in SCALE_DTYPES[fp8.scale_fmt]:
+        raise ModelLoadError(f"{scale.file}: tensor {scale_key} has dtype {scale.torch_dtype}; scale_fmt {fp8.scale_fmt!r} needs {SCALE_DTYPES[fp8.scale_fmt]}")
+    if scale.shape != fp8.scale_shape(info.shape):
+        raise ModelLoadError(f"{scale.file}: tensor {scale_key} has shape {scale.shape}, blocks {fp8.block} of {info.shape} need {fp8.scale_shape(info.shape)}")
+    return scale_key
 
 
 def _tokenizer(path: Path, config: Any) -> Tokenizer:
