@@ -29,6 +29,7 @@ from engine.event_emitter import EventEmitter
 from engine.events import Tier
 from engine.faults import Faults
 from engine.loader import load_model
+from engine.memory_estimate import estimate
 from engine.model.base import ModelLayout
 from engine.model.kernel_backend import resolve_kernel_backend, set_kernel_backend
 from engine.outputs import CacheReport, RequestOutput, ScoreOutput
@@ -109,14 +110,14 @@ class LLM:
         dtype: str | torch.dtype | None = None,
     ) -> None:
         self.device = resolve_device(device)
-        loaded = load_model(model, self.device, dtype)
+        self.cache_config = cache or CacheConfig()
+        loaded = load_model(model, self.device, dtype, precheck=self._check_memory)
         self.model = loaded.model
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.layout: ModelLayout = self.model.layout
         self.config = getattr(self.model, "config", None)
         """The family's config object (``HybridConfig``, ...), for callers that need it."""
-        self.cache_config = cache or CacheConfig()
         self.engine_id = engine_id or default_engine_id()
         self.dtype = next(self.model.parameters()).dtype
         """The weights' dtype, also the KV pools' (``dtype`` argument, else the checkpoint's config, else float32)."""
@@ -246,6 +247,14 @@ class LLM:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.lifecycle.as_tensor(ids)
         return self.cache.prefetch(self.cache.block_hashes(ids), len(ids))
+
+    def _check_memory(self, layout: ModelLayout, weights_bytes: int, dtype: torch.dtype) -> None:
+        """Before the weights are loaded: log what the weights and the cache will take, and refuse
+        (``ValueError`` naming the settings to change) when the device has not that much free."""
+        est = estimate(layout, weights_bytes, self.cache_config, dtype, self.device)
+        log.info("%s", est.render())
+        if not est.fits:
+            raise ValueError(est.refusal())
 
     def offload(self, tier: Tier | str = Tier.HOST, *, evict: bool = True) -> int:
         """Copy every cached object (not leased by a running request) to ``tier`` and, with

@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.fp8_weights import SCALE_DTYPES, SCALE_SUFFIX, WEIGHT_DTYPES, Fp8Format
 from engine.load_errors import ModelLoadError
-from engine.model.base import CausalLM
+from engine.model.base import CausalLM, ModelLayout
 from engine.presets import PRESETS, preset_names
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from engine.weight_files import TensorInfo, WeightFiles, progress, save_sharded
@@ -97,7 +97,24 @@ def resolve_dtype(name: str | torch.dtype | None, where: str = "dtype") -> torch
     return found
 
 
-def load_model(ref: str | Path | Any, device: torch.device, dtype: str | torch.dtype | None = None) -> LoadedModel:
+Precheck = Callable[[ModelLayout, int, torch.dtype], None]
+"""Called with the model's layout, its weights' bytes and dtype before anything is allocated
+(the model built on the meta device); raises to refuse the load."""
+
+
+def _precheck(build: Callable[[Any], CausalLM], config: Any, dtype: torch.dtype, precheck: Precheck | None) -> None:
+    if precheck is None:
+        return
+    with torch.device("meta"):
+        meta = build(config)
+    meta.to(dtype)
+    weights = sum(t.numel() * t.element_size() for t in (*meta.parameters(), *meta.buffers()))
+    precheck(meta.layout, weights, dtype)
+
+
+def load_model(
+    ref: str | Path | Any, device: torch.device, dtype: str | torch.dtype | None = None, precheck: Precheck | None = None
+) -> LoadedModel:
     """Load a preset name, a model directory, or a family config object (random weights), its
     weights in ``dtype`` (else a directory's ``config.json`` ``dtype`` / ``torch_dtype``, else
     float32).
@@ -111,32 +128,35 @@ def load_model(ref: str | Path | Any, device: torch.device, dtype: str | torch.d
         model_type = getattr(ref, "model_type", None)
         if model_type not in FAMILIES:
             raise ModelLoadError(f"{type(ref).__name__} is not a model config (model_type {model_type!r})")
-        return _random(ref, f"{model_type}@{getattr(ref, 'revision', 'random')}", device, dtype)
+        return _random(ref, f"{model_type}@{getattr(ref, 'revision', 'random')}", device, dtype, precheck)
     path = Path(ref)
     if path.is_dir():
-        return load_directory(path, device, dtype=dtype)
+        return load_directory(path, device, dtype=dtype, precheck=precheck)
     preset = PRESETS.get(str(ref))
     if preset is None:
         raise ModelLoadError(f"unknown model {str(ref)!r}: not a preset ({', '.join(preset_names())}) and not a model directory")
     if preset.directory is not None:
-        return load_directory(preset.directory, device, name=str(ref), dtype=dtype)
+        return load_directory(preset.directory, device, name=str(ref), dtype=dtype, precheck=precheck)
     config_from_dict, _ = FAMILIES[preset.model_type].resolve()
-    return _random(config_from_dict({"model_type": preset.model_type, **preset.fields}), str(ref), device, dtype)
+    return _random(config_from_dict({"model_type": preset.model_type, **preset.fields}), str(ref), device, dtype, precheck)
 
 
-def _random(config: Any, name: str, device: torch.device, dtype: torch.dtype | None) -> LoadedModel:
+def _random(config: Any, name: str, device: torch.device, dtype: torch.dtype | None, precheck: Precheck | None = None) -> LoadedModel:
     _, build = FAMILIES[config.model_type].resolve()
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         # random weights are named by everything that makes them: the config and the seed
         digest = hashlib.sha256(f"{config!r}|seed={getattr(config, 'seed', 0)}".encode()).hexdigest()[:12]
         config = dataclasses.replace(config, revision=f"{getattr(config, 'revision', 'random')}+{digest}")
+    _precheck(build, config, dtype or torch.float32, precheck)
     model = build(config)
     model.init_random(getattr(config, "seed", 0))
     model.to(device=device, dtype=dtype or torch.float32).eval()
     return LoadedModel(model, ByteTokenizer(), name)
 
 
-def load_directory(path: Path, device: torch.device, name: str | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+def load_directory(
+    path: Path, device: torch.device, name: str | None = None, dtype: torch.dtype | None = None, precheck: Precheck | None = None
+) -> LoadedModel:
     """Load ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json``) from ``path``, in
     ``dtype`` (else the config's ``dtype`` / ``torch_dtype``, else float32)."""
     config_path = path / "config.json"
@@ -168,6 +188,7 @@ def load_directory(path: Path, device: torch.device, name: str | None = None, dt
         config = config_from_dict({**raw, "revision": f"{declared}+{content}" if declared else content})
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from None
+    _precheck(build, config, dtype, precheck)
     model = build(config).to(dtype)  # in its dtype before the weights arrive: one copy of them
     _load_weights(model, path, family.names(), fp8)
     tokenizer = _tokenizer(path, config)
