@@ -42,6 +42,9 @@ def rss():
 import torch
 from safetensors import safe_open
 from engine.loader import load_model
+import engine.model.qwen3_next  # warm: the family's imports and a first meta-device build cost
+with torch.device("meta"):     # ~150 MB of library pages once per process, not the load's memory
+    engine.model.qwen3_next.build(engine.model.qwen3_next.config_from_dict({"num_hidden_layers": 1, "num_experts": 0}))
 
 mode, path = sys.argv[1], Path(sys.argv[2])
 torch.set_num_threads(1)
@@ -62,8 +65,8 @@ print(json.dumps({"seconds": seconds, "baseline_rss_bytes": baseline, "peak_rss_
 """
 
 
-def checkpoint(directory: Path, hidden: int, layers: int) -> int:
-    """Write the random checkpoint; returns its bytes on disk."""
+def checkpoint(directory: Path, hidden: int, layers: int, dtype: str = "float32") -> int:
+    """Write the random checkpoint (weights in ``dtype``); returns its bytes on disk."""
     from engine.loader import save_directory
     from engine.model.qwen3_next import Qwen3NextForCausalLM, config_from_dict
 
@@ -76,6 +79,13 @@ def checkpoint(directory: Path, hidden: int, layers: int) -> int:
     model = Qwen3NextForCausalLM(config_from_dict(raw))
     total = sum(t.nbytes for t in model.state_dict().values())
     save_directory(model, raw, directory, max_shard_bytes=total // 4 + 1)
+    if dtype != "float32":  # the shards in that dtype, as a released checkpoint declares it
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        for f in directory.glob("*.safetensors"):
+            save_file({k: v.to(getattr(torch, dtype)) for k, v in load_file(str(f)).items()}, str(f))
+        (directory / "config.json").write_text(json.dumps({**raw, "dtype": dtype}))
     return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
 
 
@@ -90,17 +100,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="the checkpoint's dtype")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "ckpt"
-        size = checkpoint(directory, args.hidden_size, args.layers)
+        size = checkpoint(directory, args.hidden_size, args.layers, args.dtype)
         print(f"load: checkpoint {size / 2**20:.0f} MiB in {len(list(directory.glob('*.safetensors')))} shards", file=sys.stderr)
         runs: dict[str, list[dict[str, float]]] = {"engine": [], "plain": []}
         for i in range(args.repeats):
             for mode in ("engine", "plain") if i % 2 == 0 else ("plain", "engine"):
                 runs[mode].append(run(mode, directory))
                 print(f"load: {mode} {runs[mode][-1]['seconds']:.2f} s", file=sys.stderr)
-    result: dict[str, object] = {"benchmark": "load", "checkpoint_bytes": size, "repeats": args.repeats,
+    result: dict[str, object] = {"benchmark": "load", "checkpoint_bytes": size, "dtype": args.dtype, "repeats": args.repeats,
                                  "load_average": os.getloadavg()}  # fmt: skip
     for mode, rs in runs.items():
         over = statistics.median(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in rs)

@@ -180,7 +180,9 @@ def load_directory(
         fp8 = None if quantization is None else Fp8Format.from_config(quantization if isinstance(quantization, dict) else {})
     except ValueError as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from None
-    declared_dtype = raw.get("dtype", raw.get("torch_dtype"))
+    text_config = raw.get("text_config")
+    text: dict[str, Any] = text_config if isinstance(text_config, dict) else {}  # the VL layout keeps it there
+    declared_dtype = raw.get("dtype", raw.get("torch_dtype", text.get("dtype", text.get("torch_dtype"))))
     dtype = dtype or resolve_dtype(declared_dtype, f"{config_path}: dtype") or torch.float32
     try:
         declared = raw.get("revision")
@@ -189,7 +191,9 @@ def load_directory(
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from None
     _precheck(build, config, dtype, precheck)
-    model = build(config).to(dtype)  # in its dtype before the weights arrive: one copy of them
+    with torch.device("meta"):  # built without memory, then allocated in its dtype: one copy of the weights
+        model = build(config)
+    model = model.to(dtype).to_empty(device="cpu")  # every parameter is then read from the checkpoint
     _load_weights(model, path, family.names(), fp8)
     tokenizer = _tokenizer(path, config)
     model.to(device).eval()
@@ -213,8 +217,12 @@ def _load_weights(
     the model's parameters one at a time (peak: the model plus one tensor). ``names`` maps a
     checkpoint name to the model's (None: not loaded; logged once per leading name part); with
     ``fp8``, a ``float8_e4m3fn`` weight and its ``weight_scale_inv`` are dequantized into it."""
-    expected = model.state_dict()
     with WeightFiles.open(path) as files:
+        if getattr(model, "mtp", None) is not None and not any(k.startswith("mtp.") for k in files.tensors):
+            # declared in the config, absent from the files (transformers drops mtp.* when it saves)
+            log.info("%s: the config declares an MTP module but no mtp.* tensor is stored; loaded without it", path)
+            model.mtp = None  # type: ignore[assignment]
+        expected = model.state_dict()
         found: dict[str, TensorInfo] = {}
         stored_as: dict[str, str] = {}  # the model's name -> the checkpoint's
         skipped: dict[str, int] = {}
@@ -238,7 +246,8 @@ def _load_weights(
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
         unexpected = [stored_as[k] for k in found if k not in expected]
-        unexpected += [k for k in scales if k.removesuffix(SCALE_SUFFIX) not in stored_as.values()]
+        weights = set(stored_as.values())
+        unexpected += [k for k in scales if k.removesuffix(SCALE_SUFFIX) not in weights]
         if unexpected:
             more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
             raise ModelLoadError(f"{path}: unexpected tensors {', '.join(unexpected[:5])}{more}")
@@ -272,6 +281,8 @@ def _check_fp8(files: WeightFiles, key: str, info: TensorInfo, fp8: Fp8Format) -
         ModelLoadError: naming the tensor and the file.
     """
     scale_key = key + SCALE_SUFFIX
+    if len(info.shape) < 2:
+        raise ModelLoadError(f"{info.file}: tensor {key} is {info.torch_dtype} of shape {info.shape}; FP8 block scaling needs a matrix")
     scale = files.tensors.get(scale_key)
     if scale is None:
         raise ModelLoadError(f"{info.file}: tensor {key} is {info.torch_dtype} without its {scale_key}")

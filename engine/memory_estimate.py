@@ -53,9 +53,10 @@ class MemoryEstimate:
     def refusal(self) -> str:
         """Why it cannot load, and what to change."""
         return (
-            f"{self.render()} — it does not fit. Lower the prefix cache (kvscope: --cache-memory-mib; "
-            "CacheConfig.memory_bytes or the pool block counts) or the weights' dtype (--dtype bfloat16; "
-            "LLM(dtype=...)), or use a device with more free memory (--device)"
+            f"{self.render()} — it does not fit. Lower the prefix cache (CacheConfig.memory_bytes or the pool "
+            "block counts; kvscope up / replay: --cache-memory-mib), the weights' dtype (LLM(dtype='bfloat16'); "
+            "kvscope generate / serve: --dtype bfloat16), or use a device with more free memory (LLM(device=...); "
+            "kvscope serve: --device)"
         )
 
 
@@ -70,9 +71,10 @@ def cache_bytes(layout: ModelLayout, config: CacheConfig, dtype: torch.dtype) ->
     sized = planned_config(layout, config, dtype)[0] if config.memory_bytes is not None else config
     out: dict[Form, int] = {}
     for form, specs in layout_pools(layout, config.unit_tokens, dtype).items():
+        counts = [int(getattr(sized, s.kind.config_field)) for s in specs]
         if form is Form.LINEAR_STATE and config.tail_replay == "only":
-            continue  # no checkpoints are stored
-        out[form] = sum(int(getattr(sized, s.kind.config_field)) * s.bytes_per_block for s in specs)
+            counts = [2] * len(specs)  # the sentinel and one slot: no checkpoints are kept
+        out[form] = sum(n * s.bytes_per_block for n, s in zip(counts, specs, strict=True))
     return out
 
 

@@ -131,7 +131,7 @@ class WeightFiles:
         fh = self._open[1]
         try:
             fh.seek(info.start)
-            got = fh.readinto(buffer.view(torch.uint8).reshape(-1).numpy().data)
+            got = fh.readinto(buffer.reshape(-1).view(torch.uint8).numpy().data)
         except OSError as exc:
             raise ModelLoadError(f"{info.file}: tensor {name} cannot be read ({exc})") from None
         if got != info.nbytes:

@@ -53,6 +53,10 @@ FIXED: Mapping[str, Mapping[str, Any]] = {
 }
 """What the removed fields amount to."""
 
+RELEASED_FIXED: Mapping[str, Any] = {"attn_output_gate": True, "output_gate_type": "swish", "mamba_ssm_dtype": "float32"}
+"""Keys released Qwen3.5 configs carry that describe this decoder as it is (the attention output
+gate, the gated norm's activation, float32 recurrent state); another value is refused."""
+
 VISION_KEYS = frozenset(
     {"vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"}
 )
@@ -74,7 +78,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> Qwen3NextConfig:
         text = data.get("text_config")
         if not isinstance(text, dict):
             raise ValueError(f"text_config must be an object (model_type {model_type!r} keeps the text decoder there)")
-        allowed = VISION_KEYS | HF_BOOKKEEPING_KEYS | {"text_config", "model_type", "tie_word_embeddings", "revision"}
+        allowed = VISION_KEYS | HF_BOOKKEEPING_KEYS | {"text_config", "model_type", "tie_word_embeddings", "revision", "language_model_only"}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ValueError(f"unknown field {unknown[0]!r} for the {model_type} vision-language config")
@@ -83,6 +87,9 @@ def config_from_dict(raw: Mapping[str, Any]) -> Qwen3NextConfig:
         model_type = str(data["model_type"])
     if model_type not in DEFAULTS:
         raise ValueError(f"model_type {model_type!r} is not a Qwen3.5 decoder ({', '.join([*DEFAULTS, *TEXT_TYPES])})")
+    for key, value in RELEASED_FIXED.items():  # what released configs state that this decoder always is
+        if key in data and data.pop(key) != value:
+            raise ValueError(f"{key} = {raw.get(key, (raw.get('text_config') or {}).get(key))!r} is not supported (only {value!r})")
     for key in REMOVED[model_type]:
         if key in data:
             raise ValueError(f"{key} is not a {model_type} field (Qwen3.5 fixes it: {FIXED[model_type]})")

@@ -40,6 +40,14 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(monkeypatch: pyte
     monkeypatch.setattr(memory_estimate, "available_bytes", lambda device: 1 << 20)
     built: list[object] = []
     monkeypatch.setattr(qwen3_next.Qwen3NextForCausalLM, "init_random", lambda self, seed: built.append(self))
-    with pytest.raises(ValueError, match=r"does not fit\. Lower the prefix cache \(kvscope: --cache-memory-mib.*--dtype bfloat16"):
+    with pytest.raises(ValueError, match=r"does not fit\. Lower the prefix cache .*--cache-memory-mib.*--dtype bfloat16"):
         LLM("qwen3_next-tiny", device="cpu")
     assert not built
+
+
+def test_tail_replay_only_counts_the_two_linear_slots_it_allocates() -> None:
+    llm = LLM("qwen3_next-tiny", device="cpu", cache=CacheConfig(tail_replay="only"))
+    weights = sum(t.numel() * t.element_size() for t in llm.model.parameters())
+    est = estimate(llm.layout, weights, llm.cache_config, llm.dtype, torch.device("cpu"))
+    assert llm.cache.linear is not None
+    assert est.cache_bytes["linear_state"] == sum(t.tensor.nbytes for t in llm.cache.linear.stored_tensors()) > 0

@@ -90,3 +90,13 @@ def test_mtp_forward_gives_hidden_states_of_the_model_width() -> None:
     with torch.no_grad():
         out = model.mtp(torch.randn(t, c), torch.randn(t, c), torch.arange(t), rotary_cos_sin(torch.arange(t), model.config.rotary_dim, model.config.rope_theta), model.new_dense_state())
     assert out.shape == (t, c) and torch.isfinite(out).all()
+
+
+def test_a_config_declaring_mtp_without_its_tensors_loads_without_the_module(tmp_path: Path) -> None:
+    """transformers drops ``mtp.*`` when it saves a model it loaded, keeping the config's
+    ``mtp_num_hidden_layers``: such a directory loads, without the module."""
+    path = tmp_path / "ckpt"
+    qwen3_5.save_hf_checkpoint(path, "dense", 0)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | {"mtp_num_hidden_layers": 1}))
+    assert load_model(path, CPU).model.mtp is None

@@ -166,3 +166,25 @@ def test_the_tiny_presets_build_and_resume_exactly(preset: str, experts: int) ->
     prefix = tokens(64, seed=3)
     llm.score(prefix)
     assert assert_warm_equals_cold(llm, prefix + tokens(13, seed=4)).resume_tokens == 64
+
+
+def test_a_released_config_loads_with_its_dtype_from_text_config(checkpoints: dict, tmp_path: Path) -> None:
+    """The keys released Qwen3.5 configs carry (attention output gate, swish gated norm, float32
+    recurrent state, ``language_model_only``) are accepted as they are, another value refused;
+    the vision-language layout's ``dtype`` is read from ``text_config``."""
+    _, path = checkpoints["vision_language"]
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    for f in path.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    raw = json.loads((copy / "config.json").read_text())
+    raw.pop("dtype", None)
+    raw["language_model_only"] = False
+    raw["text_config"] |= {"attn_output_gate": True, "output_gate_type": "swish", "mamba_ssm_dtype": "float32", "dtype": "bfloat16"}
+    (copy / "config.json").write_text(json.dumps(raw))
+    llm = LLM(str(copy), device="cpu")
+    assert llm.dtype == torch.bfloat16
+    raw["text_config"]["output_gate_type"] = "sigmoid"
+    (copy / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="output_gate_type = 'sigmoid' is not supported"):
+        load_model(copy, torch.device("cpu"))
