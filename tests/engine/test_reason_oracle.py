@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 
 from tests.engine.reason_oracle_compare import Tally
 from tests.engine.reason_oracle_driver import Scenario, U, run_scenario, scenarios
+from tests.engine.reason_oracle_examples import EXAMPLES as COVERING
 
 LONG = os.environ.get("KVSCOPE_ORACLE_PROFILE") == "oracle-long"
 EXAMPLES = 1600 if LONG else 160
@@ -69,6 +70,10 @@ between two linear checkpoints with every other form stored there)."""
 @example(TAIL_REPLAY)
 def _each_scenario(scenario) -> None:
     run_scenario(scenario, TALLY)
+
+
+for _covering in COVERING:  # every COVERED outcome, whatever the random draws are
+    _each_scenario = example(_covering)(_each_scenario)
 
 
 def test_every_lookup_and_request_agrees_with_the_oracle() -> None:
