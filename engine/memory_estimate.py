@@ -54,9 +54,9 @@ class MemoryEstimate:
         """Why it cannot load, and what to change."""
         return (
             f"{self.render()} — it does not fit. Lower the prefix cache (CacheConfig.memory_bytes or the pool "
-            "block counts; kvscope up / replay: --cache-memory-mib), the weights' dtype (LLM(dtype='bfloat16'); "
+            "block counts; kvscope: --cache-memory-mib), the weights' dtype (LLM(dtype='bfloat16'); "
             "kvscope generate / serve: --dtype bfloat16), or use a device with more free memory (LLM(device=...); "
-            "kvscope serve: --device)"
+            "kvscope generate / serve: --device)"
         )
 
 

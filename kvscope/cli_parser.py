@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", parents=[verbose], help="generate text")
     gen.add_argument("--model", default="kvscope_hybrid-small", help="preset name or model directory (default: %(default)s, trained)")
     gen.add_argument("--dtype", choices=DTYPES, default=None, help="weights and KV pools: float32, bfloat16 or float16 (default: the checkpoint's config dtype, else float32)")
+    gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default: %(default)s)")
+    gen.add_argument("--cache-memory-mib", type=positive_int, default=None, help="one byte budget (MiB) for every pool of the prefix cache, sized by a memory plan (default: the pools' default block counts)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
@@ -71,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=port, default=8000)
     srv.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default: %(default)s)")
     srv.add_argument("--dtype", choices=DTYPES, default=None, help="weights and KV pools: float32, bfloat16 or float16 (default: the checkpoint's config dtype, else float32)")
+    srv.add_argument("--cache-memory-mib", type=positive_int, default=None, help="one byte budget (MiB) for every pool of the prefix cache, sized by a memory plan (default: the pools' default block counts)")
     srv.add_argument("--agent", default=None, help="send the cache's events to this agent")
     srv.add_argument(
         "--telemetry-spool-dir",

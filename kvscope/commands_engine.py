@@ -7,6 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from engine.cache.config import CacheConfig
 from kvscope.cli_args import UserError, cache_error, replay_config
 
 if TYPE_CHECKING:
@@ -102,6 +103,16 @@ def _replay_over_http(args: argparse.Namespace, config: ReplayConfig) -> int:
     return 0
 
 
+def cache_budget(args: argparse.Namespace) -> CacheConfig | None:
+    """The cache of ``--cache-memory-mib`` (one memory plan for every pool), else None (the defaults)."""
+    if args.cache_memory_mib is None:
+        return None
+    try:
+        return CacheConfig(memory_bytes=args.cache_memory_mib * 2**20)
+    except ValueError as exc:
+        raise cache_error(exc) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream the completion of ``--prompt`` to stdout as tokens are sampled."""
     from engine.llm import LLM
@@ -110,7 +121,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype)
+        llm = LLM(args.model, device=args.device, cache=cache_budget(args), dtype=args.dtype)
         prompt = llm.tokenizer.encode(args.prompt)
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -148,7 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.agent and args.telemetry_spool_dir is not None:
             drain_earlier_spools(args.telemetry_spool_dir, args.agent, current_engine_id=engine_id)
             telemetry = TelemetryClient(args.agent, engine_id, spool_path=args.telemetry_spool_dir / f"{engine_id}.spool")
-        llm = LLM(args.model, device=args.device, telemetry=telemetry, engine_id=engine_id, dtype=args.dtype)
+        llm = LLM(args.model, device=args.device, cache=cache_budget(args), telemetry=telemetry, engine_id=engine_id, dtype=args.dtype)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     try:

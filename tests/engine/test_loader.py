@@ -208,3 +208,15 @@ def test_kvscope_generate_runs_in_the_dtype_asked(capsys: pytest.CaptureFixture[
     assert done.value.code == 0
     half = LLM("qwen3_next-tiny", dtype="float16").generate("ab", SamplingParams(max_tokens=5))[0].text
     assert capsys.readouterr().out == "ab" + half + "\n"
+
+
+def test_kvscope_generate_takes_a_cache_budget_and_refuses_one_too_small(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvscope.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--model", "qwen3_next-tiny", "--device", "cpu", "--cache-memory-mib", "2", "--prompt", "ab", "--max-tokens", "3"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("ab")
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--model", "deepseek_v4-tiny", "--cache-memory-mib", "1", "--prompt", "ab"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith("kvscope generate: a cache budget of 1.00 MiB cannot hold") and "Traceback" not in err
