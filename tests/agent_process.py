@@ -75,14 +75,15 @@ def start_agent(
     return process
 
 
-def wait_ready(process: subprocess.Popen[Any], port: int, timeout: float = 60) -> None:
-    """Poll ``/readyz`` until 200; fail if the process exits or ``timeout`` seconds pass."""
+def wait_ready(process: subprocess.Popen[Any], port: int, timeout: float = 60, path: str = "/readyz") -> None:
+    """Poll ``path`` (the agent's ``/readyz``; ``kvscope serve``'s ``/health``) until 200; fail if
+    the process exits or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
     while True:
-        assert process.poll() is None, f"the agent exited during start-up ({process.returncode})"
-        assert time.monotonic() < deadline, "the agent did not become ready"
+        assert process.poll() is None, f"the process exited during start-up ({process.returncode})"
+        assert time.monotonic() < deadline, f"{path} never answered 200"
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
             pass

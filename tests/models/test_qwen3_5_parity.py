@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from engine.loader import ModelLoadError, load_model
 from tests.helpers import TOLERANCE, assert_warm_equals_cold, tokens
 
 transformers = pytest.importorskip("transformers")
+
+from tests.models.test_qwen3_next_parity import max_diff  # noqa: E402 (needs transformers)
 
 ATOL = TOLERANCE[torch.float32]
 LIN, FULL = "linear_attention", "full_attention"
@@ -72,11 +75,6 @@ def save_hf_checkpoint(path: Path, variant: str, seed: int) -> Any:
 @torch.no_grad()
 def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, f"{tuple(a.shape)} != {tuple(b.shape)}"
-    return (a - b).abs().max().item()
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +134,7 @@ def test_the_vision_tower_is_skipped_with_one_log_line(checkpoints: dict, caplog
 )
 def test_a_field_qwen3_5_does_not_have_is_refused_by_name(checkpoints: dict, tmp_path: Path, variant: str, edit: dict, message: str) -> None:
     _, path = checkpoints[variant]
-    copy = tmp_path / "ckpt"
-    copy.mkdir()
-    for f in path.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
+    copy = shutil.copytree(path, tmp_path / "ckpt")
     raw = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**raw, **edit}))
     with pytest.raises(ModelLoadError, match=message):
@@ -148,10 +143,7 @@ def test_a_field_qwen3_5_does_not_have_is_refused_by_name(checkpoints: dict, tmp
 
 def test_vision_language_without_a_text_config_is_refused(checkpoints: dict, tmp_path: Path) -> None:
     _, path = checkpoints["vision_language"]
-    copy = tmp_path / "ckpt"
-    copy.mkdir()
-    for f in path.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
+    copy = shutil.copytree(path, tmp_path / "ckpt")
     raw = json.loads((copy / "config.json").read_text())
     del raw["text_config"]
     (copy / "config.json").write_text(json.dumps(raw))
@@ -173,10 +165,7 @@ def test_a_released_config_loads_with_its_dtype_from_text_config(checkpoints: di
     recurrent state, ``language_model_only``) are accepted as they are, another value refused;
     the vision-language layout's ``dtype`` is read from ``text_config``."""
     _, path = checkpoints["vision_language"]
-    copy = tmp_path / "ckpt"
-    copy.mkdir()
-    for f in path.iterdir():
-        (copy / f.name).write_bytes(f.read_bytes())
+    copy = shutil.copytree(path, tmp_path / "ckpt")
     raw = json.loads((copy / "config.json").read_text())
     raw.pop("dtype", None)
     raw["language_model_only"] = False

@@ -8,13 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.agent_process import wait_ready
 from tests.helpers import free_port
 
 openai = pytest.importorskip("openai")
@@ -35,16 +34,7 @@ def test_kvscope_serve_answers_the_openai_client_for_a_released_qwen3_5_layout(t
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):  # up to 60 s for the process to import, load and listen
-            assert server.poll() is None, f"kvscope serve exited: {(tmp_path / 'serve.log').read_text()[-2000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        else:
-            pytest.fail("kvscope serve never became healthy")
+        wait_ready(server, port, timeout=60, path="/health")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == [str(path)]
         answer = client.completions.create(model=str(path), prompt="The cache", max_tokens=6, temperature=0.0)
