@@ -4,7 +4,7 @@ A directory holds ``config.json`` (its ``model_type`` picks the family), one
 ``*.safetensors`` file or shards named by ``model.safetensors.index.json``
 (:mod:`engine.weight_files`), and optionally ``tokenizer.json``. Loading is strict: every parameter of
 the model must be present with its exact shape, no unknown tensor may be left over, and only
-float dtypes are accepted — each failure names the file and the tensor or field.
+float dtypes are accepted (integer tables such as a hash router's ``tid2eid`` as integers) — each failure names the file and the tensor or field.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ QWEN3_5 = Family("engine.model.qwen3_5", "config_from_dict", "build", "checkpoin
 FAMILIES: Mapping[str, Family] = {
     "kvscope_hybrid": Family("engine.model.hybrid", "config_from_dict", "build"),
     "qwen3_next": Family("engine.model.qwen3_next", "config_from_dict", "build"),
-    "deepseek_v4": Family("engine.model.deepseek_v4", "config_from_dict", "build"),
+    "deepseek_v4": Family("engine.model.deepseek_v4", "config_from_dict", "build", "checkpoint_name"),
     **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"), QWEN3_5),
 }
 """``model_type`` → family."""
@@ -107,7 +107,7 @@ def _precheck(build: Callable[[Any], CausalLM], config: Any, dtype: torch.dtype,
         return
     with torch.device("meta"):
         meta = build(config)
-    meta.to(dtype)
+    meta.to_dtype(dtype)
     weights = sum(t.numel() * t.element_size() for t in (*meta.parameters(), *meta.buffers()))
     precheck(meta.layout, weights, dtype)
 
@@ -150,7 +150,7 @@ def _random(config: Any, name: str, device: torch.device, dtype: torch.dtype | N
     _precheck(build, config, dtype or torch.float32, precheck)
     model = build(config)
     model.init_random(getattr(config, "seed", 0))
-    model.to(device=device, dtype=dtype or torch.float32).eval()
+    model.to_dtype(dtype or torch.float32).to(device).eval()
     return LoadedModel(model, ByteTokenizer(), name)
 
 
@@ -193,8 +193,12 @@ def load_directory(
     _precheck(build, config, dtype, precheck)
     with torch.device("meta"):  # built without memory, then allocated in its dtype: one copy of the weights
         model = build(config)
-    model = model.to(dtype).to_empty(device="cpu")  # every parameter is then read from the checkpoint
+    model = model.to_dtype(dtype).to_empty(device="cpu")  # every parameter is then read from the checkpoint
     _load_weights(model, path, family.names(), fp8)
+    try:
+        model.check_weights()
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
     tokenizer = _tokenizer(path, config)
     model.to(device).eval()
     return LoadedModel(model, tokenizer, name or str(path))
@@ -256,6 +260,9 @@ def _load_weights(
             key = stored_as[mine]
             if fp8 is not None and info.dtype in WEIGHT_DTYPES:
                 quantized[key] = _check_fp8(files, key, info, fp8)
+            elif not expected[mine].is_floating_point():
+                if info.torch_dtype.is_floating_point or info.torch_dtype == torch.bool:
+                    raise ModelLoadError(f"{info.file}: tensor {key} has dtype {info.torch_dtype}; the model's {mine} is an integer table")
             elif info.torch_dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(f"{info.file}: tensor {key} has dtype {info.torch_dtype}; supported: float32, float16, bfloat16")
             if info.shape != tuple(expected[mine].shape):
@@ -313,10 +320,14 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def save_directory(model: nn.Module, config_dict: Mapping[str, Any], path: Path, max_shard_bytes: int | None = None) -> None:
-    """Write ``config.json`` and the weights (float32) for ``model``: ``model.safetensors``, or
+    """Write ``config.json`` and the weights (float32; integer tables as they are) for ``model``: ``model.safetensors``, or
     shards with their index past ``max_shard_bytes`` (:func:`engine.weight_files.save_sharded`)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(dict(config_dict), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     aliases = getattr(model, "tied_weights", {})
-    tensors = {k: _own_storage(v.detach().to(torch.float32).cpu()) for k, v in model.state_dict().items() if k not in aliases}
+    tensors = {
+        k: _own_storage((v.detach().float() if v.is_floating_point() else v.detach()).cpu())
+        for k, v in model.state_dict().items()
+        if k not in aliases
+    }
     save_sharded(tensors, path, max_shard_bytes)

@@ -24,6 +24,15 @@ class Preset:
     directory: Path | None = None
 
 
+_DEEPSEEK_V4_TINY_ATTENTION: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"] * 2,
+    "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 32, "partial_rotary_factor": 0.5,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "sliding_window": 16, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 4,
+}  # fmt: skip
+"""The attention geometry both DeepSeek-V4 presets share."""
+
 _QWEN3_5_TINY: dict[str, Any] = {
     "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
@@ -84,30 +93,27 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
         "deepseek_v4-tiny": Preset(
             model_type="deepseek_v4",
             fields={
-                "vocab_size": 256,
-                "hidden_size": 64,
+                **_DEEPSEEK_V4_TINY_ATTENTION,
                 "intermediate_size": 128,
-                "num_hidden_layers": 6,
-                "layer_types": [
-                    "sliding_attention",
-                    "compressed_sparse_attention",
-                    "heavily_compressed_attention",
-                    "sliding_attention",
-                    "compressed_sparse_attention",
-                    "heavily_compressed_attention",
-                ],
                 "mlp_layer_types": ["dense"] * 6,
-                "num_attention_heads": 4,
-                "head_dim": 32,
-                "q_lora_rank": 32,
-                "partial_rotary_factor": 0.5,
-                "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-                "sliding_window": 16,
-                "o_groups": 2,
-                "o_lora_rank": 16,
-                "index_n_heads": 4,
-                "index_head_dim": 16,
-                "index_topk": 4,
+                "hyper_connections": False,
+                "revision": "random-init-0",
+            },
+        ),
+        "deepseek_v4_moe-tiny": Preset(
+            model_type="deepseek_v4",
+            fields={
+                **_DEEPSEEK_V4_TINY_ATTENTION,
+                "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
+                "moe_intermediate_size": 64,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_shared_experts": 1,
+                "scoring_func": "sqrtsoftplus",
+                "routed_scaling_factor": 1.5,
+                "hc_mult": 2,
+                "hc_sinkhorn_iters": 20,
+                "num_nextn_predict_layers": 1,
                 "revision": "random-init-0",
             },
         ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from engine.model.state import CompressedLayerSpec, DenseState, PackedStates, SequenceState
@@ -85,6 +86,22 @@ class CausalLM(nn.Module):
         if tie:
             self.lm_head.weight = embed_tokens.weight
             self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    float32_names: tuple[str, ...] = ()
+    """Name endings of parameters and buffers kept in float32 whatever the model's dtype (a
+    family's numerically sensitive weights, as transformers' ``_keep_in_fp32_modules``)."""
+
+    def to_dtype(self, dtype: torch.dtype) -> CausalLM:
+        """``self.to(dtype)``, then the :attr:`float32_names` tensors back to float32; returns self."""
+        self.to(dtype)
+        for name, tensor in (*self.named_parameters(), *self.named_buffers()):
+            if name.endswith(self.float32_names) and tensor.is_floating_point():
+                tensor.data = tensor.data.to(torch.float32)
+        return self
+
+    def check_weights(self) -> None:
+        """Called once every tensor is loaded: checks values the shapes cannot (a routing table's
+        range). Raises ``ValueError`` naming the tensor."""
 
     @property
     def layout(self) -> ModelLayout:

@@ -1,14 +1,18 @@
-"""The ``deepseek_v4`` family: DeepSeek-V4's attention stack with a dense SwiGLU MLP per layer.
+"""The ``deepseek_v4`` family: DeepSeek-V4 as released (mHC, MoE, hash-MoE, MTP), and kvscope's
+attention stack with dense MLPs.
 
-``DeepseekV4ForCausalLM`` = token embeddings → per layer ``x + attn(RMSNorm(x))`` then
-``x + mlp(RMSNorm(x))`` → RMSNorm → LM head. The attention layers (sliding, CSA, HCA) match
-transformers' ``DeepseekV4Attention`` on the same weights (parameter names included, under
-``model.layers.<i>.self_attn``); the MLP is V4's SwiGLU with its clamp (``swiglu_limit``), as
-V4's shared expert computes it. Hyper-connections and mixture-of-experts routing are not
-implemented (see :mod:`engine.model.deepseek_v4_config`, which refuses configs needing them).
+``DeepseekV4ForCausalLM`` = token embeddings, copied into ``hc_mult`` residual streams → per layer
+attention then MLP, each entered through mHC's ``pre`` collapse and left through its ``post`` /
+``comb`` merge (:mod:`engine.model.hyper_connections`) → the streams' head → RMSNorm → LM head.
+The attention layers (sliding, CSA, HCA) are :mod:`engine.model.deepseek_v4_attention`; the MLPs
+:mod:`engine.model.deepseek_v4_moe`. With ``hyper_connections: false`` each block is a plain
+pre-norm residual (kvscope's ``deepseek_v4-tiny``). Parameter names are transformers' module
+names (``model.layers.<i>.self_attn.*``, ``.mlp.*``, ``.attn_hc.*``, ``model.hc_head.*``) except the
+experts, one module each (``mlp.experts.<i>.gate_proj``) as checkpoints store them;
+:mod:`engine.model.deepseek_v4_names` maps DeepSeek-native and transformers-saved names here.
 
-Sources: DeepSeek-V4 paper (§2.3.1 CSA, §2.3.2 HCA, as cited by transformers' config
-docstrings); transformers ``models/deepseek_v4/modeling_deepseek_v4.py``.
+Sources: DeepSeek-V4 paper (§2.1 MoE, §2.2 mHC, §2.3.1 CSA, §2.3.2 HCA, as cited by
+transformers' config docstrings); transformers ``models/deepseek_v4/modeling_deepseek_v4.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ from torch import Tensor, nn
 
 from engine.model.base import CausalLM, ModelLayout
 from engine.model.deepseek_v4_attention import DeepseekV4Attention
-from engine.model.deepseek_v4_config import DeepseekV4Config, config_from_dict, config_to_dict
+from engine.model.deepseek_v4_config import DeepseekV4Config
+from engine.model.deepseek_v4_config_io import config_from_dict, config_to_dict
+from engine.model.deepseek_v4_moe import DeepseekV4MLP, SparseMoE
+from engine.model.deepseek_v4_mtp import DeepseekV4MTP
+from engine.model.deepseek_v4_names import checkpoint_name
+from engine.model.hyper_connections import HyperConnection, HyperHead
 from engine.model.layers import RMSNorm
 from engine.model.state import (
     CompressedLayerSpec,
@@ -28,49 +37,71 @@ from engine.model.state import (
     per_sequence,
 )
 
-__all__ = ["DeepseekV4Config", "DeepseekV4ForCausalLM", "build", "config_from_dict", "config_to_dict"]
-
-
-class DeepseekV4MLP(nn.Module):
-    """``down(silu(min(gate(x), l)) · clamp(up(x), −l, l))`` with l = ``swiglu_limit``;
-    ``x [T, C]`` → ``[T, C]`` (transformers' ``DeepseekV4MLP``)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float) -> None:
-        super().__init__()
-        self.limit = limit
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(nn.functional.silu(gate) * up)
+__all__ = ["DeepseekV4Config", "DeepseekV4ForCausalLM", "build", "checkpoint_name", "config_from_dict", "config_to_dict"]
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    """Pre-norm residual block: V4 attention of the layer's kind, then the dense MLP."""
+    """One V4 block: attention of the layer's kind, then its MLP (``dense``, ``moe`` or
+    ``hash_moe``), each wrapped by mHC (``attn_hc`` / ``ffn_hc``) or, with
+    ``hyper_connections: false``, by a plain pre-norm residual.
+
+    forward: ``streams [T, N, C]`` (N = ``hc_mult``; N = 1 for the plain residual) → the same."""
 
     def __init__(self, config: DeepseekV4Config, layer: int) -> None:
         super().__init__()
         self.self_attn = DeepseekV4Attention(config, layer)
-        self.mlp = DeepseekV4MLP(config.hidden_size, config.intermediate_size, config.swiglu_limit)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        c = config.hidden_size
+        self.mlp: nn.Module
+        if config.mlp_kind(layer) == "dense":
+            self.mlp = DeepseekV4MLP(c, config.intermediate_size, config.swiglu_limit)
+        else:
+            self.mlp = SparseMoE(config, layer)
+        self.input_layernorm = RMSNorm(c, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c, config.rms_norm_eps)
+        self.attn_hc: HyperConnection | None = None
+        self.ffn_hc: HyperConnection | None = None
+        if config.hyper_connections:
+            args = (c, config.hc_mult, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+            self.attn_hc, self.ffn_hc = HyperConnection(*args), HyperConnection(*args)
 
-    def forward(self, x: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
-        x = x + per_sequence(lambda h, p, _, s: self.self_attn(h, p, s), self.input_layernorm(x), positions, None, state)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def _mlp(self, x: Tensor, input_ids: Tensor) -> Tensor:
+        return self.mlp(x, input_ids) if isinstance(self.mlp, SparseMoE) else self.mlp(x)
+
+    def _attention(self, x: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
+        return per_sequence(lambda h, p, _, s: self.self_attn(h, p, s), self.input_layernorm(x), positions, None, state)
+
+    def forward(self, streams: Tensor, input_ids: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
+        if self.attn_hc is None or self.ffn_hc is None:
+            x = streams[:, 0]
+            x = x + self._attention(x, positions, state)
+            return (x + self._mlp(self.post_attention_layernorm(x), input_ids)).unsqueeze(1)
+        post, comb, collapsed = self.attn_hc(streams)
+        streams = HyperConnection.merge(streams, self._attention(collapsed, positions, state), post, comb)
+        post, comb, collapsed = self.ffn_hc(streams)
+        return HyperConnection.merge(streams, self._mlp(self.post_attention_layernorm(collapsed), input_ids), post, comb)
 
 
 class DeepseekV4Model(nn.Module):
-    """Embeddings, decoder layers and the final norm (transformers' ``model.*`` names)."""
+    """Embeddings, decoder layers, the streams' head (mHC) and the final norm (transformers'
+    ``model.*`` names)."""
 
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_mult = config.hc_mult
+        self.hc_head: HyperHead | None = None
+        if config.hyper_connections:
+            self.hc_head = HyperHead(config.hidden_size, config.hc_mult, config.hc_eps, config.rms_norm_eps)
+
+    def hidden_states(self, input_ids: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
+        """The final norm's input ``[T, C]`` (the streams collapsed)."""
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, input_ids, positions, state)
+        return streams[:, 0] if self.hc_head is None else self.hc_head(streams)
 
 
 class DeepseekV4ForCausalLM(CausalLM):
@@ -82,26 +113,53 @@ class DeepseekV4ForCausalLM(CausalLM):
         RuntimeError: a chunk that does not start where a compressed layer's state ends.
     """
 
+    float32_names = ("hc.fn", "hc.base", "hc.scale", "hc_fn", "hc_base", "hc_scale", "e_score_correction_bias")
+    """mHC weights and the routers' bias stay float32 (transformers keeps them so too)."""
+
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
         self.config = config
         self.model = DeepseekV4Model(config)
         self.attach_lm_head(config.hidden_size, config.vocab_size, self.model.embed_tokens, config.tie_word_embeddings)
+        self.mtp = DeepseekV4MTP(config) if config.num_nextn_predict_layers else None
+        """The released checkpoints' multi-token-prediction modules (``mtp.<k>.*``); loaded and
+        kept for speculative decoding, not run by ``generate``."""
+
+    def check_weights(self) -> None:
+        """Every hash-MoE layer's ``tid2eid`` names experts in ``[0, n_routed_experts)``.
+
+        Raises:
+            ValueError: naming the table and the first bad entry.
+        """
+        for name, table in self.named_buffers():
+            if name.endswith("tid2eid") and table.numel():
+                low, high = int(table.min()), int(table.max())
+                if low < 0 or high >= self.config.n_routed_experts:
+                    bad = low if low < 0 else high
+                    raise ValueError(f"tensor {name} routes to expert {bad}; n_routed_experts = {self.config.n_routed_experts}")
 
     def init_random(self, seed: int) -> None:
         """Deterministic random weights as transformers initialises V4: normal(0,
-        initializer_range) for matrices and embeddings, ones for norms, zeros for the attention
-        sinks and the compressors' positional biases."""
+        initializer_range) for matrices and embeddings, ones for norms and mHC scales, zeros for
+        the attention sinks, the compressors' positional biases and mHC biases; a hash-MoE
+        layer's ``tid2eid`` sends each token to ``num_experts_per_tok`` distinct random experts
+        (transformers leaves it zero: its real values come from the checkpoint)."""
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith(("hc.scale", "hc_scale")):
                     p.fill_(1.0)
-                elif name.endswith("sinks") or name.endswith("position_bias"):
+                elif name.endswith(("sinks", "position_bias", "hc.base", "hc_base")):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
+            for name, buffer in self.named_buffers():
+                if name.endswith("tid2eid"):
+                    ranks = torch.rand((buffer.shape[0], self.config.n_routed_experts), generator=gen)
+                    buffer.copy_(ranks.argsort(dim=-1)[:, : buffer.shape[1]])
+                elif name.endswith("e_score_correction_bias"):
+                    buffer.zero_()
 
     def compressed_state_specs(self) -> dict[int, CompressedLayerSpec]:
         """Per CSA/HCA layer index, the geometry of the state it keeps."""
@@ -135,10 +193,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         return DenseState({}, self.lm_head.weight.device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, state: SequenceState | PackedStates) -> Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, state)
-        return self.lm_head(self.model.norm(x)).float()
+        return self.lm_head(self.model.norm(self.model.hidden_states(input_ids, positions, state))).float()
 
 
 def build(config: DeepseekV4Config) -> DeepseekV4ForCausalLM:

@@ -1,67 +1,29 @@
-"""Configuration of the ``deepseek_v4`` family: DeepSeek-V4's attention stack with a dense MLP.
+"""Configuration of the ``deepseek_v4`` family: DeepSeek-V4 as released, and kvscope's attention stack.
 
-The attention layers follow transformers' ``DeepseekV4`` (``configuration_deepseek_v4.py``) and
-the DeepSeek-V4 paper it cites (§2.3.1 compressed sparse attention, §2.3.2 heavily compressed
-attention). What kvscope does not implement — manifold-constrained hyper-connections (mHC,
-paper §2.2, ``hc_mult > 1``) and the mixture-of-experts MLPs (paper §2.1, ``mlp_layer_types``
-``hash_moe`` / ``moe``) — is refused by :func:`config_from_dict` with the field named; in their
-place every layer has a plain pre-norm residual and a dense SwiGLU MLP (``mlp_layer_types``
-entries ``dense``, width ``intermediate_size``).
+Field names and meanings are transformers' ``DeepseekV4Config`` (``configuration_deepseek_v4.py``),
+which cites the DeepSeek-V4 paper: §2.1 the mixture of experts (``moe`` layers routed by learned
+top-k, ``hash_moe`` layers by the frozen ``tid2eid`` table), §2.2 manifold-constrained
+hyper-connections (mHC, ``hc_mult`` residual streams), §2.3.1 compressed sparse attention, §2.3.2
+heavily compressed attention. Two kvscope extensions keep the project's own attention-stack preset
+(``deepseek_v4-tiny``) expressible: ``mlp_layer_types`` entry ``dense`` (one SwiGLU MLP of
+``intermediate_size``) and ``hyper_connections: false`` (a plain pre-norm residual instead of mHC).
+:func:`engine.model.deepseek_v4_config_io.config_from_dict` reads a ``config.json``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from engine.model.config_fields import config_fields_from_dict
 
 DEEPSEEK_V4_LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 COMPRESSED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
-
-_IGNORED_KEYS = frozenset(
-    {
-        # generation / training settings that do not change the forward pass
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "use_cache",
-        "output_attentions",
-        "output_hidden_states",
-        "output_router_logits",
-        "router_aux_loss_coef",
-        "router_jitter_noise",
-        "attention_dropout",
-        "max_position_embeddings",
-        # transformers never instantiates the multi-token-prediction layers either
-        "num_nextn_predict_layers",
-        # unused by transformers' V4 attention (its projections have no bias)
-        "attention_bias",
-    }
-)
-"""config.json keys accepted and ignored: they do not change the logits of a forward pass."""
-
-_MOE_KEYS = (
-    "moe_intermediate_size",
-    "n_routed_experts",
-    "n_shared_experts",
-    "num_experts_per_tok",
-    "scoring_func",
-    "norm_topk_prob",
-    "routed_scaling_factor",
-    "hc_sinkhorn_iters",
-    "hc_eps",
-)
-"""Keys of the MoE / mHC parts, accepted (transformers always writes them) but unused while
-``mlp_layer_types`` is all ``dense`` and ``hc_mult`` is 1."""
+MLP_KINDS = ("dense", "moe", "hash_moe")
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
+"""Router scoring functions: ``sqrt(softplus(logits))`` (V4's) and ``sigmoid(logits)``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeepseekV4Config:
-    """DeepSeek-V4 attention stack + dense MLP; field names as in transformers' config.
+    """DeepSeek-V4; field names as in transformers' config.
 
     Attention (every kind): a low-rank query path (``hidden → q_lora_rank → heads·head_dim``),
     one shared key/value head (K = V, ``num_key_value_heads`` must be 1), partial interleaved
@@ -74,20 +36,30 @@ class DeepseekV4Config:
     compressor of ratio ``compress_rate_hca`` whose entries are all attended. Sliding layers
     rotate with ``rope_theta``, compressed layers with ``compress_rope_theta``.
 
+    MLP per layer (``mlp_layer_types``; empty = every layer ``dense``): ``moe`` and
+    ``hash_moe`` layers hold ``n_routed_experts`` SwiGLU experts of ``moe_intermediate_size``
+    (gate and up clamped at ``swiglu_limit``), ``num_experts_per_tok`` of them per token with
+    weights ``scoring_func(router logits)`` renormalised and scaled by ``routed_scaling_factor``,
+    plus one shared expert of the same width. Residual: ``hc_mult`` streams mixed by mHC
+    (Sinkhorn–Knopp for ``hc_sinkhorn_iters`` iterations, floor ``hc_eps``), or with
+    ``hyper_connections: false`` a plain residual. ``num_nextn_predict_layers`` MTP modules
+    are built and loaded (not run by ``generate``).
+
     Raises:
-        ValueError: naming the field, on an unknown layer kind, a bad size, or a part of V4 that
-            kvscope does not implement (``hc_mult``, MoE ``mlp_layer_types``, ``hidden_act``,
-            ``mlp_bias``, ``num_key_value_heads``).
+        ValueError: naming the field, on an unknown layer kind, a bad size, or a value kvscope
+            does not implement (``hidden_act``, ``mlp_bias``, ``num_key_value_heads``,
+            ``scoring_func``, ``n_shared_experts``, ``norm_topk_prob``).
     """
 
     model_type: str = "deepseek_v4"
     vocab_size: int = 256
     hidden_size: int = 64
     intermediate_size: int = 128
+    """Width of ``dense`` MLP layers (kvscope's); experts use ``moe_intermediate_size``."""
     num_hidden_layers: int = 3
     layer_types: tuple[str, ...] = DEEPSEEK_V4_LAYER_KINDS
     mlp_layer_types: tuple[str, ...] = ()
-    """Per layer ``dense`` (kvscope); empty means every layer is dense."""
+    """Per layer ``dense`` (kvscope), ``moe`` or ``hash_moe``; empty means every layer is dense."""
     num_attention_heads: int = 4
     num_key_value_heads: int = 1
     head_dim: int = 32
@@ -103,7 +75,19 @@ class DeepseekV4Config:
     index_n_heads: int = 4
     index_head_dim: int = 16
     index_topk: int = 4
+    moe_intermediate_size: int = 64
+    n_routed_experts: int = 4
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    hyper_connections: bool = True
+    """kvscope: false replaces mHC by a plain pre-norm residual (then ``hc_mult`` must be 1)."""
     hc_mult: int = 1
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    num_nextn_predict_layers: int = 0
     swiglu_limit: float = 10.0
     hidden_act: str = "silu"
     mlp_bias: bool = False
@@ -132,6 +116,8 @@ class DeepseekV4Config:
             "index_n_heads",
             "index_head_dim",
             "index_topk",
+            "hc_mult",
+            "hc_sinkhorn_iters",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -143,27 +129,17 @@ class DeepseekV4Config:
         for i, kind in enumerate(self.layer_types):
             if kind not in DEEPSEEK_V4_LAYER_KINDS:
                 raise ValueError(f"layer_types[{i}] = {kind!r}; expected one of {DEEPSEEK_V4_LAYER_KINDS}")
-        unknown = sorted(set(self.mlp_layer_types) - {"dense", "moe", "hash_moe"})
-        if unknown:
-            raise ValueError(f"mlp_layer_types entries {unknown}: expected 'dense' ('moe' / 'hash_moe' are refused)")
-        unsupported: list[str] = []
-        moe = sorted({k for k in self.mlp_layer_types if k != "dense"})
-        if moe:
-            unsupported.append(f"mlp_layer_types {moe} (mixture-of-experts MLPs; only 'dense' is implemented)")
-        elif self.mlp_layer_types and len(self.mlp_layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"mlp_layer_types has {len(self.mlp_layer_types)} entries but num_hidden_layers = {self.num_hidden_layers}"
-            )
-        if self.hc_mult != 1:
-            unsupported.append(f"hc_mult = {self.hc_mult} (manifold-constrained hyper-connections; only 1 is implemented)")
-        if unsupported:
-            raise ValueError("unsupported DeepSeek-V4 config fields: " + "; ".join(unsupported))
+        self._check_mlp()
+        if not self.hyper_connections and self.hc_mult != 1:
+            raise ValueError(f"hc_mult = {self.hc_mult} needs hyper_connections (a plain residual has one stream)")
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers = {self.num_nextn_predict_layers} must not be negative")
         if self.num_key_value_heads != 1:
             raise ValueError(f"num_key_value_heads = {self.num_key_value_heads}: DeepSeek-V4 attention has one shared KV head")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act = {self.hidden_act!r}: only 'silu' is supported")
         if self.mlp_bias:
-            raise ValueError("mlp_bias = true is not supported (the dense MLP has no bias)")
+            raise ValueError("mlp_bias = true is not supported (V4's MLPs have no bias)")
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             raise ValueError(
                 f"o_groups = {self.o_groups} does not divide num_attention_heads·head_dim = {self.num_attention_heads * self.head_dim}"
@@ -177,6 +153,37 @@ class DeepseekV4Config:
         if self.sliding_window < 2:
             raise ValueError(f"sliding_window = {self.sliding_window} must be at least 2")
 
+    def _check_mlp(self) -> None:
+        unknown = sorted(set(self.mlp_layer_types) - set(MLP_KINDS))
+        if unknown:
+            raise ValueError(f"mlp_layer_types entries {unknown}: expected one of {MLP_KINDS}")
+        if self.mlp_layer_types and len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"mlp_layer_types has {len(self.mlp_layer_types)} entries but num_hidden_layers = {self.num_hidden_layers}"
+            )
+        if not self.has_experts:
+            return
+        for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} = {getattr(self, name)} must be positive")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok = {self.num_experts_per_tok} exceeds n_routed_experts = {self.n_routed_experts}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func = {self.scoring_func!r} is not supported; supported: {', '.join(SCORING_FUNCS)}")
+        if self.n_shared_experts != 1:
+            raise ValueError(f"n_shared_experts = {self.n_shared_experts} is not supported (V4 has one shared expert)")
+        if not self.norm_topk_prob:
+            raise ValueError("norm_topk_prob = false is not supported (V4 always renormalises the chosen experts' weights)")
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether any layer is ``moe`` or ``hash_moe``."""
+        return any(k != "dense" for k in self.mlp_layer_types)
+
+    def mlp_kind(self, layer: int) -> str:
+        """``dense``, ``moe`` or ``hash_moe`` for one layer."""
+        return self.mlp_layer_types[layer] if self.mlp_layer_types else "dense"
+
     @property
     def rope_head_dim(self) -> int:
         """Rotary channels at the end of each head (``qk_rope_head_dim`` in transformers)."""
@@ -189,73 +196,3 @@ class DeepseekV4Config:
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """Indices of the layers of one kind, in model order."""
         return tuple(i for i, k in enumerate(self.layer_types) if k == kind)
-
-
-def config_from_dict(raw: Mapping[str, Any]) -> DeepseekV4Config:
-    """A :class:`DeepseekV4Config` from a ``config.json`` mapping as transformers'
-    ``DeepseekV4Config.save_pretrained`` writes it (or a kvscope preset's fields).
-
-    ``compress_rates`` (``{"compressed_sparse_attention": m, "heavily_compressed_attention":
-    m'}``) sets ``compress_rate_csa`` / ``compress_rate_hca``; ``rope_parameters`` and
-    ``qk_rope_head_dim`` must agree with ``rope_theta``, ``compress_rope_theta`` and
-    ``partial_rotary_factor`` (plain RoPE only; YaRN is refused).
-
-    Raises:
-        ValueError: an unknown key, a value of the wrong type, an inconsistent derived key, or
-            an unsupported feature — each naming the field.
-    """
-    data = {k: v for k, v in raw.items() if k not in _IGNORED_KEYS and k not in _MOE_KEYS}
-    if data.get("model_type", "deepseek_v4") != "deepseek_v4":
-        raise ValueError(f"model_type {data.get('model_type')!r} is not deepseek_v4")
-    rates = data.pop("compress_rates", None)
-    if rates is not None:
-        if not isinstance(rates, Mapping) or set(rates) - set(COMPRESSED_KINDS):
-            raise ValueError(f"compress_rates must map {COMPRESSED_KINDS} to ratios, got {rates!r:.80}")
-        if "compressed_sparse_attention" in rates:
-            data.setdefault("compress_rate_csa", rates["compressed_sparse_attention"])
-        if "heavily_compressed_attention" in rates:
-            data.setdefault("compress_rate_hca", rates["heavily_compressed_attention"])
-    rope_parameters = data.pop("rope_parameters", None)
-    rope_head_dim = data.pop("qk_rope_head_dim", None)
-    if "layer_types" in data and "num_hidden_layers" not in data and isinstance(data["layer_types"], list | tuple):
-        data["num_hidden_layers"] = len(data["layer_types"])
-    if "num_hidden_layers" in data and "layer_types" not in data:
-        raise ValueError("num_hidden_layers without layer_types: give layer_types explicitly")
-    config = DeepseekV4Config(**config_fields_from_dict(DeepseekV4Config, data))
-    if rope_head_dim is not None and rope_head_dim != config.rope_head_dim:
-        raise ValueError(
-            f"qk_rope_head_dim = {rope_head_dim} disagrees with head_dim·partial_rotary_factor = {config.rope_head_dim}"
-        )
-    if rope_parameters is not None:
-        _check_rope_parameters(rope_parameters, config)
-    return config
-
-
-def _check_rope_parameters(rope_parameters: Any, config: DeepseekV4Config) -> None:
-    """``rope_parameters`` as transformers nests it (``{"main": {...}, "compress": {...}}``) must
-    describe plain RoPE with this config's thetas and rotary fraction."""
-    if not isinstance(rope_parameters, Mapping):
-        raise ValueError(f"rope_parameters must be an object, got {rope_parameters!r:.80}")
-    nested = {k: v for k, v in rope_parameters.items() if isinstance(v, Mapping)}
-    if set(nested) != {"main", "compress"}:
-        nested = {"main": rope_parameters, "compress": rope_parameters}
-    for label, theta in (("main", config.rope_theta), ("compress", config.compress_rope_theta)):
-        params = nested[label]
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_parameters.{label}.rope_type = {rope_type!r}: only plain ('default') RoPE is supported")
-        if "rope_theta" in params and not math.isclose(float(params["rope_theta"]), theta):
-            raise ValueError(f"rope_parameters.{label}.rope_theta = {params['rope_theta']} disagrees with {theta}")
-        factor = params.get("partial_rotary_factor")
-        if factor is not None and not math.isclose(float(factor), config.partial_rotary_factor):
-            raise ValueError(
-                f"rope_parameters.{label}.partial_rotary_factor = {factor} disagrees with {config.partial_rotary_factor}"
-            )
-
-
-def config_to_dict(config: DeepseekV4Config) -> dict[str, Any]:
-    """A ``config.json`` mapping that :func:`config_from_dict` reads back to ``config``."""
-    out = dataclasses.asdict(config)
-    out["layer_types"] = list(config.layer_types)
-    out["mlp_layer_types"] = list(config.mlp_layer_types) or ["dense"] * config.num_hidden_layers
-    return out

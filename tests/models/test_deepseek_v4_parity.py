@@ -80,8 +80,8 @@ def saved_config(config: HFDeepseekV4Config, tmp_path: Path) -> dict[str, Any]:
 
 
 def dense_variant(raw: dict[str, Any]) -> DeepseekV4Config:
-    """kvscope's config for the same attention stack with dense MLPs."""
-    return config_from_dict({**raw, "mlp_layer_types": ["dense"] * raw["num_hidden_layers"], "intermediate_size": 48})
+    """kvscope's config for the same attention stack with dense MLPs and a plain residual."""
+    return config_from_dict({**raw, "mlp_layer_types": ["dense"] * raw["num_hidden_layers"], "intermediate_size": 48, "hyper_connections": False})
 
 
 def randomize(module: torch.nn.Module, seed: int) -> None:
@@ -331,25 +331,22 @@ def test_cached_path_cold_equals_reference() -> None:
     assert (again.logits - llm.prefill_logits(ids)).abs().max().item() <= ATOL
 
 
-def test_config_refuses_hyper_connections_and_moe(tmp_path: Path) -> None:
-    """transformers' defaults need mHC (hc_mult = 4) and MoE MLPs: refused, naming the fields."""
+def test_config_reads_transformers_defaults_and_refuses_the_rest(tmp_path: Path) -> None:
+    """transformers' defaults (mHC with hc_mult = 4, hash_moe then moe MLPs) are read as they
+    are; what kvscope does not implement is refused naming the field."""
     raw = saved_config(HFDeepseekV4Config(num_hidden_layers=3), tmp_path)
-    with pytest.raises(ValueError, match="unsupported DeepSeek-V4 config fields") as both:
-        config_from_dict(raw)
-    assert "hc_mult" in str(both.value) and "mlp_layer_types" in str(both.value)
-    with pytest.raises(ValueError, match=r"hc_mult = 4"):
-        config_from_dict({**raw, "mlp_layer_types": ["dense"] * 3})
-    with pytest.raises(ValueError, match=r"mlp_layer_types \['hash_moe'\]"):
-        config_from_dict({**raw, "hc_mult": 1})
-    dense = {**raw, "hc_mult": 1, "mlp_layer_types": ["dense"] * 3}
-    assert config_from_dict(dense).compress_rate_hca == 128
+    config = config_from_dict(raw)
+    assert (config.hc_mult, config.hyper_connections, config.compress_rate_hca) == (4, True, 128)
+    assert config.mlp_layer_types == ("hash_moe", "hash_moe", "hash_moe")
+    with pytest.raises(ValueError, match="hc_mult = 4 needs hyper_connections"):
+        config_from_dict({**raw, "hyper_connections": False})
     with pytest.raises(ValueError, match="'n_experts_total'"):
-        config_from_dict({**dense, "n_experts_total": 8})
+        config_from_dict({**raw, "n_experts_total": 8})
     yarn = {"main": raw["rope_parameters"]["main"], "compress": {"rope_type": "yarn", "factor": 16.0}}
     with pytest.raises(ValueError, match=r"rope_parameters.compress.rope_type"):
-        config_from_dict({**dense, "rope_parameters": yarn})
+        config_from_dict({**raw, "rope_parameters": yarn})
     with pytest.raises(ValueError, match="qk_rope_head_dim"):
-        config_from_dict({**dense, "qk_rope_head_dim": 32})
+        config_from_dict({**raw, "qk_rope_head_dim": 32})
 
 
 def test_index_score_ties_do_not_depend_on_chunking() -> None:
