@@ -17,7 +17,20 @@ from typing import Any
 import torch
 
 SCALE_SUFFIX = "_scale_inv"
-"""``X.weight`` is scaled by ``X.weight_scale_inv``."""
+"""``X.weight`` is scaled by ``X.weight_scale_inv`` (transformers' spelling)."""
+NATIVE_SCALE = ".scale"
+"""…or by ``X.scale`` (DeepSeek-native, as V3 and V4 are released)."""
+
+
+def scale_names(stored: frozenset[str] | set[str]) -> dict[str, str]:
+    """Every scale among the ``stored`` tensor names → the weight it scales: ``X.weight_scale_inv``
+    (weight present or not, so an orphan is reported) and ``X.scale`` when ``X.weight`` is stored
+    (else ``X.scale`` is an ordinary tensor, such as an mHC ``attn_hc.scale``)."""
+    out = {k: k.removesuffix(SCALE_SUFFIX) for k in stored if k.endswith(SCALE_SUFFIX)}
+    for k in stored:
+        if k.endswith(NATIVE_SCALE) and (weight := k.removesuffix(NATIVE_SCALE) + ".weight") in stored:
+            out[k] = weight
+    return out
 WEIGHT_DTYPES = ("F8_E4M3",)
 SCALE_DTYPES = {"float32": ("F32",), "ue8m0": ("F8_E8M0", "F32")}
 """Scale dtype codes accepted per ``scale_fmt`` (a ue8m0 checkpoint may keep float32 scales that are powers of two)."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.fp8_weights import SCALE_DTYPES, SCALE_SUFFIX, WEIGHT_DTYPES, Fp8Format
+from engine.fp8_weights import SCALE_DTYPES, WEIGHT_DTYPES, Fp8Format, scale_names
 from engine.load_errors import ModelLoadError
 from engine.model.base import CausalLM, ModelLayout
 from engine.presets import PRESETS, preset_names
@@ -230,9 +230,10 @@ def _load_weights(
         found: dict[str, TensorInfo] = {}
         stored_as: dict[str, str] = {}  # the model's name -> the checkpoint's
         skipped: dict[str, int] = {}
-        scales = {k for k in files.tensors if fp8 is not None and k.endswith(SCALE_SUFFIX)}
+        scales = scale_names(set(files.tensors)) if fp8 is not None else {}  # scale -> its weight
+        scale_of = {weight: scale for scale, weight in scales.items()}
         for key, info in files.tensors.items():
-            mine = names(key.removesuffix(SCALE_SUFFIX)) if key in scales else names(key)
+            mine = names(scales[key]) if key in scales else names(key)
             if mine is None:
                 part = ".".join(key.split(".")[:2])
                 skipped[part] = skipped.get(part, 0) + 1
@@ -251,7 +252,7 @@ def _load_weights(
             raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}{more}")
         unexpected = [stored_as[k] for k in found if k not in expected]
         weights = set(stored_as.values())
-        unexpected += [k for k in scales if k.removesuffix(SCALE_SUFFIX) not in weights]
+        unexpected += [k for k, weight in scales.items() if weight not in weights]
         if unexpected:
             more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
             raise ModelLoadError(f"{path}: unexpected tensors {', '.join(unexpected[:5])}{more}")
@@ -259,7 +260,7 @@ def _load_weights(
         for mine, info in found.items():
             key = stored_as[mine]
             if fp8 is not None and info.dtype in WEIGHT_DTYPES:
-                quantized[key] = _check_fp8(files, key, info, fp8)
+                quantized[key] = _check_fp8(files, key, info, fp8, scale_of.get(key))
             elif not expected[mine].is_floating_point():
                 if info.torch_dtype.is_floating_point or info.torch_dtype == torch.bool:
                     raise ModelLoadError(f"{info.file}: tensor {key} has dtype {info.torch_dtype}; the model's {mine} is an integer table")
@@ -281,18 +282,18 @@ def _load_weights(
             model.get_parameter(name).data = model.get_parameter(source).data
 
 
-def _check_fp8(files: WeightFiles, key: str, info: TensorInfo, fp8: Fp8Format) -> str:
-    """The scale tensor of FP8 weight ``key``, checked (present, its dtype, its shape).
+def _check_fp8(files: WeightFiles, key: str, info: TensorInfo, fp8: Fp8Format, scale_key: str | None) -> str:
+    """The scale tensor of FP8 weight ``key`` (``scale_key``: ``X.weight_scale_inv`` or
+    ``X.scale``, None when neither is stored), checked (present, its dtype, its shape).
 
     Raises:
         ModelLoadError: naming the tensor and the file.
     """
-    scale_key = key + SCALE_SUFFIX
+    if scale_key is None:
+        raise ModelLoadError(f"{info.file}: tensor {key} is {info.torch_dtype} without its {key}_scale_inv (or {key.removesuffix('.weight')}.scale)")
     if len(info.shape) < 2:
         raise ModelLoadError(f"{info.file}: tensor {key} is {info.torch_dtype} of shape {info.shape}; FP8 block scaling needs a matrix")
-    scale = files.tensors.get(scale_key)
-    if scale is None:
-        raise ModelLoadError(f"{info.file}: tensor {key} is {info.torch_dtype} without its {scale_key}")
+    scale = files.tensors[scale_key]
     if scale.dtype not in SCALE_DTYPES[fp8.scale_fmt]:
         raise ModelLoadError(f"{scale.file}: tensor {scale_key} has dtype {scale.torch_dtype}; scale_fmt {fp8.scale_fmt!r} needs {SCALE_DTYPES[fp8.scale_fmt]}")
     if scale.shape != fp8.scale_shape(info.shape):

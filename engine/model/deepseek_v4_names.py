@@ -4,7 +4,8 @@ Three spellings load:
 
 * DeepSeek-native, as released (``embed.weight``, ``layers.<i>.attn.wq_a.weight``,
   ``layers.<i>.ffn.experts.<j>.w1.weight``, ``layers.<i>.hc_attn_fn``, ``hc_head_fn``,
-  ``head.weight``, ``mtp.<k>.*``);
+  ``head.weight``, and ``mtp.<k>.*``: a block's names plus ``enorm``, ``hnorm``, ``e_proj``,
+  ``h_proj``, ``norm``, ``hc_head_{fn,base,scale}``);
 * what transformers' ``save_pretrained`` writes (the native leaves under ``model.``, with
   ``model.embed_tokens`` and ``model.hc_head.*`` kept);
 * the engine's own (transformers' module names, experts one module each), written by
@@ -97,15 +98,27 @@ def block_name(rest: str) -> str:
     return ".".join(parts)
 
 
+_MTP_HEAD = {"hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+
+
+def _mtp(key: str) -> str:
+    """``mtp.<k>.*``: the depth's own leaves, its head, else a decoder block's tensor."""
+    parts = key.split(".", 2)
+    if len(parts) < 3 or not parts[1].isdigit():
+        return key
+    rest = parts[2]
+    if rest in _MTP_HEAD:
+        return f"mtp.{parts[1]}.{_MTP_HEAD[rest]}"
+    return f"mtp.{parts[1]}.{block_name(rest)}"
+
+
 def checkpoint_name(key: str) -> str:
     """The engine's parameter name for checkpoint tensor ``key`` (any of the three spellings).
 
     A name this walk does not know comes back as it is (``model.`` restored), so the loader's
     strict check reports it as unexpected with the checkpoint's own spelling."""
     if key.startswith("mtp."):
-        from engine.model.deepseek_v4_mtp import mtp_checkpoint_name
-
-        return mtp_checkpoint_name(key)
+        return _mtp(key)
     bare = key.removeprefix("model.")
     if bare in _TOP:
         return _TOP[bare]

@@ -1,5 +1,6 @@
 """``kvscope serve --model DIR`` on a Qwen3.5 checkpoint saved by transformers in the released
-vision-language layout, answering the official ``openai`` client (issue 21 acceptance; the
+vision-language layout and on a whole-model DeepSeek-V4 (mHC, MoE, hash-MoE) saved by
+transformers, answering the official ``openai`` client (issue 21 acceptance; the
 server runs as the command a user types, in its own process on loopback, stopped by PID)."""
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ from tests.helpers import free_port
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
-from tests.models import test_qwen3_5_parity as qwen3_5  # noqa: E402 (needs transformers)
+from tests.models import test_deepseek_v4_model_parity as deepseek_v4  # noqa: E402 (needs transformers)
+from tests.models import test_qwen3_5_parity as qwen3_5  # noqa: E402
+
+SAVERS = {
+    "qwen3_5": lambda path: qwen3_5.save_hf_checkpoint(path, "vision_language", 7),
+    "deepseek_v4": lambda path: deepseek_v4.save_hf_checkpoint(path, "hc2-sqrtsoftplus", 7),
+}
 
 
-def test_kvscope_serve_answers_the_openai_client_for_a_released_qwen3_5_layout(tmp_path: Path) -> None:
-    path = tmp_path / "qwen3_5"
-    qwen3_5.save_hf_checkpoint(path, "vision_language", 7)
+@pytest.mark.parametrize("family", list(SAVERS))
+def test_kvscope_serve_answers_the_openai_client_for_a_released_layout(tmp_path: Path, family: str) -> None:
+    path = tmp_path / family
+    SAVERS[family](path)
     port = free_port()
     repo = Path(__file__).resolve().parents[2]
     log = (tmp_path / "serve.log").open("wb")
