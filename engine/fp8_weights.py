@@ -35,7 +35,7 @@ WEIGHT_DTYPES = ("F8_E4M3",)
 SCALE_DTYPES = {"float32": ("F32",), "ue8m0": ("F8_E8M0", "F32")}
 """Scale dtype codes accepted per ``scale_fmt`` (a ue8m0 checkpoint may keep float32 scales that are powers of two)."""
 KNOWN_KEYS = frozenset(
-    {"quant_method", "fmt", "weight_block_size", "activation_scheme", "scale_fmt", "modules_to_not_convert", "dequantize"}
+    {"quant_method", "fmt", "weight_block_size", "activation_scheme", "scale_fmt", "modules_to_not_convert", "dequantize", "expert_dtype"}
 )
 
 
@@ -45,6 +45,8 @@ class Fp8Format:
 
     block: tuple[int, int] = (128, 128)
     scale_fmt: str = "float32"
+    expert_dtype: str = "fp8"
+    """``fp4``: routed experts packed as e2m1 (:mod:`engine.fp4_weights`), the rest FP8."""
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> Fp8Format:
@@ -69,7 +71,10 @@ class Fp8Format:
         block = raw.get("weight_block_size", [128, 128])
         if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             raise ValueError(f"quantization_config.weight_block_size = {block!r} must be two positive integers")
-        return cls((int(block[0]), int(block[1])), str(scale_fmt))
+        expert_dtype = raw.get("expert_dtype") or "fp8"
+        if expert_dtype not in ("fp8", "fp4"):
+            raise ValueError(f"quantization_config.expert_dtype = {expert_dtype!r} is not supported (fp8, fp4)")
+        return cls((int(block[0]), int(block[1])), str(scale_fmt), str(expert_dtype))
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The scales a weight of ``shape`` ``[..., N, K]`` needs: ``[..., ⌈N/bn⌉, ⌈K/bk⌉]``."""

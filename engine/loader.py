@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.fp8_weights import SCALE_DTYPES, WEIGHT_DTYPES, Fp8Format, scale_names
+from engine.fp8_weights import Fp8Format, scale_names
 from engine.load_errors import ModelLoadError
 from engine.model.base import CausalLM, ModelLayout
 from engine.presets import PRESETS, preset_names
+from engine.quantized_load import check_quantized, dequantize, is_quantized
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from engine.weight_files import TensorInfo, WeightFiles, progress, save_sharded
 
@@ -176,6 +177,11 @@ def load_directory(
         )
     config_from_dict, build = family.resolve()
     quantization = raw.pop("quantization_config", None)
+    expert_dtype = raw.pop("expert_dtype", None)  # DeepSeek-V4 writes it beside quantization_config
+    if expert_dtype is not None:
+        if not isinstance(quantization, dict):
+            raise ModelLoadError(f"{config_path}: expert_dtype = {expert_dtype!r} without a quantization_config")
+        quantization = {"expert_dtype": expert_dtype, **quantization}
     try:
         fp8 = None if quantization is None else Fp8Format.from_config(quantization if isinstance(quantization, dict) else {})
     except ValueError as exc:
@@ -256,13 +262,14 @@ def _load_weights(
         if unexpected:
             more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
             raise ModelLoadError(f"{path}: unexpected tensors {', '.join(unexpected[:5])}{more}")
-        quantized = {}
+        quantized: dict[str, str] = {}  # weight -> its scale
         for mine, info in found.items():
             key = stored_as[mine]
-            if fp8 is not None and info.dtype in WEIGHT_DTYPES:
-                quantized[key] = _check_fp8(files, key, info, fp8, scale_of.get(key))
-            elif not expected[mine].is_floating_point():
-                if info.torch_dtype.is_floating_point or info.torch_dtype == torch.bool:
+            if fp8 is not None and is_quantized(info, fp8):
+                quantized[key] = check_quantized(files, key, info, fp8, scale_of.get(key), tuple(expected[mine].shape))
+                continue
+            if not expected[mine].is_floating_point():
+                if not isinstance(info.torch_dtype, torch.dtype) or info.torch_dtype.is_floating_point or info.torch_dtype == torch.bool:
                     raise ModelLoadError(f"{info.file}: tensor {key} has dtype {info.torch_dtype}; the model's {mine} is an integer table")
             elif info.torch_dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(f"{info.file}: tensor {key} has dtype {info.torch_dtype}; supported: float32, float16, bfloat16")
@@ -274,31 +281,12 @@ def _load_weights(
             for _, key in progress(order):
                 target = expected[model_name[key]]  # state_dict tensors share the parameters' storage
                 if key in quantized and fp8 is not None:
-                    target.copy_(fp8.dequantize(files.read(key), files.read(quantized[key])))
+                    target.copy_(dequantize(fp8, files.read(key), files.read(quantized[key])))
                 else:
                     files.read_into(key, target)
     for name, source in aliases.items():
         if name not in found:
             model.get_parameter(name).data = model.get_parameter(source).data
-
-
-def _check_fp8(files: WeightFiles, key: str, info: TensorInfo, fp8: Fp8Format, scale_key: str | None) -> str:
-    """The scale tensor of FP8 weight ``key`` (``scale_key``: ``X.weight_scale_inv`` or
-    ``X.scale``, None when neither is stored), checked (present, its dtype, its shape).
-
-    Raises:
-        ModelLoadError: naming the tensor and the file.
-    """
-    if scale_key is None:
-        raise ModelLoadError(f"{info.file}: tensor {key} is {info.torch_dtype} without its {key}_scale_inv (or {key.removesuffix('.weight')}.scale)")
-    if len(info.shape) < 2:
-        raise ModelLoadError(f"{info.file}: tensor {key} is {info.torch_dtype} of shape {info.shape}; FP8 block scaling needs a matrix")
-    scale = files.tensors[scale_key]
-    if scale.dtype not in SCALE_DTYPES[fp8.scale_fmt]:
-        raise ModelLoadError(f"{scale.file}: tensor {scale_key} has dtype {scale.torch_dtype}; scale_fmt {fp8.scale_fmt!r} needs {SCALE_DTYPES[fp8.scale_fmt]}")
-    if scale.shape != fp8.scale_shape(info.shape):
-        raise ModelLoadError(f"{scale.file}: tensor {scale_key} has shape {scale.shape}, blocks {fp8.block} of {info.shape} need {fp8.scale_shape(info.shape)}")
-    return scale_key
 
 
 def _tokenizer(path: Path, config: Any) -> Tokenizer:

@@ -22,9 +22,9 @@ from torch import Tensor, nn
 
 from engine.model.base import CausalLM, ModelLayout
 from engine.model.deepseek_v4_attention import DeepseekV4Attention
-from engine.model.deepseek_v4_decoder import DeepseekV4DecoderLayer
 from engine.model.deepseek_v4_config import DeepseekV4Config
 from engine.model.deepseek_v4_config_io import config_from_dict, config_to_dict
+from engine.model.deepseek_v4_decoder import DeepseekV4DecoderLayer
 from engine.model.deepseek_v4_mtp import DeepseekV4MTP
 from engine.model.deepseek_v4_names import checkpoint_name
 from engine.model.hyper_connections import HyperHead
@@ -34,7 +34,6 @@ from engine.model.state import (
     DenseState,
     PackedStates,
     SequenceState,
-    per_sequence,
 )
 
 __all__ = ["DeepseekV4Config", "DeepseekV4ForCausalLM", "build", "checkpoint_name", "config_from_dict", "config_to_dict"]

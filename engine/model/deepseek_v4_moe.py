@@ -61,6 +61,8 @@ class Router(nn.Module):
         self.scoring_func = config.scoring_func
         self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.tid2eid: Tensor
+        self.e_score_correction_bias: Tensor
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
         else:
@@ -89,8 +91,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.gate = Router(config, hashed=config.mlp_kind(layer) == "hash_moe")
         width, limit = config.moe_intermediate_size, config.swiglu_limit
-        self.experts = nn.ModuleList(DeepseekV4MLP(config.hidden_size, width, limit) for _ in range(config.n_routed_experts))
-        self.shared_experts = DeepseekV4MLP(config.hidden_size, width, limit)
+        self.experts: nn.ModuleList = nn.ModuleList(DeepseekV4MLP(config.hidden_size, width, limit) for _ in range(config.n_routed_experts))
+        self.shared_experts: DeepseekV4MLP = DeepseekV4MLP(config.hidden_size, width, limit)
 
     def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
         chosen, weights = self.gate(x, input_ids)

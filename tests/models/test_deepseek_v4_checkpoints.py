@@ -7,8 +7,10 @@
 * a corrupt shard and an index naming a tensor no file holds: a clear error naming the file or
   the tensor, nothing loaded;
 * FP8 as released (``float8_e4m3fn`` weights, ``weight_scale_inv`` block scales in
-  ``float8_e8m0fnu``, ``scale_fmt: ue8m0``): the logits equal transformers' own FP8
-  dequantization of the same files.
+  ``float8_e8m0fnu``, ``scale_fmt: ue8m0``), and with FP4 routed experts (``expert_dtype:
+  fp4``: two e2m1 values a byte, a ue8m0 scale per 32): the logits equal transformers' own
+  dequantization of the same files, and so do the same files in DeepSeek's spelling (``X.scale``);
+* the MTP module's ``mtp.0.*`` tensors load and round-trip.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tests.helpers import TOLERANCE, tokens
 
 transformers = pytest.importorskip("transformers")
 
+from engine.fp4_weights import quantize_fp4  # noqa: E402
 from tests.models.test_deepseek_v4_model_parity import our_logits, save_hf_checkpoint  # noqa: E402
 from tests.models.test_fp8_weights import quantize  # noqa: E402
 
@@ -82,21 +85,36 @@ UNQUANTIZED = ("embed", "head.weight", "norm", "compressor.", "indexer.", "gate.
 compressor / indexer projections transformers lists in ``_keep_in_fp32_modules``)."""
 
 
-def test_fp8_ue8m0_checkpoint_equals_transformers_dequantization(tmp_path: Path) -> None:
-    hf = save_hf_checkpoint(tmp_path, "hc2-sqrtsoftplus", seed=12)
-    out, quantized = {}, 0
-    for name, w in load_file(str(tmp_path / "model.safetensors")).items():
-        if w.dim() == 2 and name.endswith(".weight") and w.is_floating_point() and not any(s in name for s in UNQUANTIZED):
+def quantized_checkpoint(path: Path, fp4_experts: bool) -> object:
+    """transformers' tiny V4 saved, then its weights quantized as released: FP8 e4m3 with ue8m0
+    block scales (``weight_scale_inv``), routed experts packed FP4 with per-32 scales when
+    ``fp4_experts`` (``expert_dtype: fp4`` beside ``quantization_config``, as V4 writes it).
+    Returns transformers' unquantized model."""
+    hf = save_hf_checkpoint(path, "hc2-sqrtsoftplus", seed=12)
+    out = {}
+    for name, w in load_file(str(path / "model.safetensors")).items():
+        if fp4_experts and ".ffn.experts." in name:
+            out[name], out[name + "_scale_inv"] = quantize_fp4(w, ue8m0=True)
+        elif w.dim() == 2 and name.endswith(".weight") and w.is_floating_point() and not any(s in name for s in UNQUANTIZED):
             out[name], out[name + "_scale_inv"] = quantize(w, ue8m0=True)
-            quantized += 1
         else:
             out[name] = w
-    save_file(out, str(tmp_path / "model.safetensors"))
-    config = json.loads((tmp_path / "config.json").read_text())
+    save_file(out, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                                      "activation_scheme": "dynamic", "scale_fmt": "ue8m0"}  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    assert quantized > 50 and out["model.layers.1.ffn.experts.0.w1.weight_scale_inv"].dtype == torch.float8_e8m0fnu
+    if fp4_experts:
+        config["expert_dtype"] = "fp4"
+    (path / "config.json").write_text(json.dumps(config))
+    expert = out["model.layers.1.ffn.experts.0.w1.weight"]
+    assert expert.dtype == (torch.int8 if fp4_experts else torch.float8_e4m3fn)
+    assert out["model.layers.1.ffn.experts.0.w1.weight_scale_inv"].dtype == torch.float8_e8m0fnu
+    return hf
+
+
+@pytest.mark.parametrize("fp4_experts", [False, True], ids=["fp8-ue8m0", "fp4-experts"])
+def test_quantized_checkpoint_equals_transformers_dequantization(tmp_path: Path, fp4_experts: bool) -> None:
+    hf = quantized_checkpoint(tmp_path, fp4_experts)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = tokens(30, seed=1)
     with torch.no_grad():
@@ -106,11 +124,27 @@ def test_fp8_ue8m0_checkpoint_equals_transformers_dequantization(tmp_path: Path)
     assert (LLM(str(tmp_path), device="cpu").prefill_logits(ids) - ref).abs().max().item() <= TOLERANCE[torch.float32]
 
 
+def test_fp4_shape_and_scale_errors_name_the_tensor(tmp_path: Path) -> None:
+    quantized_checkpoint(tmp_path, fp4_experts=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.2.ffn.experts.1.w3.weight"
+    bad = dict(tensors)
+    bad[name + "_scale_inv"] = tensors[name + "_scale_inv"].to(torch.bfloat16)
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=rf"{name}_scale_inv has dtype torch.bfloat16; scale_fmt 'ue8m0'"):
+        load_model(tmp_path, CPU)
+    bad[name], bad[name + "_scale_inv"] = tensors[name][:, :8].contiguous(), tensors[name + "_scale_inv"]
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=rf"{name} has shape \(16, 8\), the config needs \(16, 16\) \(FP4"):
+        load_model(tmp_path, CPU)
+
+
 def test_fp8_in_native_names_with_scale_tensors_loads_the_same(tmp_path: Path) -> None:
-    """The released spelling of the same FP8 files: native names, ``X.scale`` beside
-    ``X.weight``, in shards — the same model as the transformers-spelled copy above."""
+    """The released spelling of the same FP8 + FP4 files: native names, ``X.scale`` beside
+    ``X.weight``, in shards — the same model as the transformers-spelled copy."""
     hf_dir, native_dir = tmp_path / "hf", tmp_path / "native"
-    test_fp8_ue8m0_checkpoint_equals_transformers_dequantization(hf_dir)
+    hf_dir.mkdir()
+    quantized_checkpoint(hf_dir, fp4_experts=True)
     native_dir.mkdir()
     renamed = {}
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
