@@ -14,7 +14,7 @@ from engine import LLM, CacheConfig
 from engine.memory_estimate import estimate
 
 
-@pytest.mark.parametrize("model", ["kvscope_hybrid-tiny", "qwen3_next-tiny", "deepseek_v4-tiny", "qwen3_5_moe-tiny"])
+@pytest.mark.parametrize("model", ["kvscope_hybrid-tiny", "qwen3_next-tiny", "deepseek_v4-tiny", "deepseek_v4_moe-tiny", "qwen3_5_moe-tiny"])
 @pytest.mark.parametrize("cache", [CacheConfig(), CacheConfig(memory_bytes=3 << 20)], ids=["block-counts", "memory-plan"])
 def test_the_estimate_is_what_the_weights_and_pools_then_take(model: str, cache: CacheConfig) -> None:
     llm = LLM(model, device="cpu", cache=cache, dtype="bfloat16")
