@@ -45,7 +45,7 @@ def quantize_fp4(w: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tensor, tor
     """The inverse for tests and tools: ``w [N, K]`` (K even) → (int8 ``[N, K/2]``, scales
     ``[N, ⌈K/32⌉]``), each block scaled so its largest magnitude maps to 6 (ue8m0: the scale
     rounded up to a power of two) and every value rounded to the nearest e2m1 code."""
-    n, k = w.shape
+    k = w.shape[-1]
     blocks = torch.nn.functional.pad(w.float(), (0, -k % FP4_BLOCK)).unflatten(-1, (-1, FP4_BLOCK))
     scale = blocks.abs().amax(dim=-1).clamp(min=1e-12) / 6.0
     if ue8m0:
