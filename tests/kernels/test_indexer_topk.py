@@ -53,7 +53,7 @@ def test_ties_go_to_the_earlier_entry(device: str) -> None:
 def test_the_engines_selection(device: str) -> None:
     """The engine's Indexer.select on a tiny DeepSeek-V4 config picks exactly the kernel's keys
     (queries rotated and weighted as select does)."""
-    from engine.model.deepseek_v4_config import config_from_dict
+    from engine.model.deepseek_v4_config_io import config_from_dict
     from engine.presets import PRESETS
 
     torch.manual_seed(0)
