@@ -96,6 +96,7 @@ class EventEmitter:
                     recovery_seconds=f.recovery_seconds,
                     bytes_moved=f.bytes_moved,
                     epoch=epochs.get(f.form, 0),
+                    tp_rank=f.tp_rank,
                     ghost_tokens=f.ghost_tokens,
                     ghost_bytes=f.ghost_bytes,
                     spare_bytes=f.spare_bytes,

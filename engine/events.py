@@ -85,6 +85,9 @@ class Reason(enum.StrEnum):
     LAYOUT_MISMATCH = "layout_mismatch"
     MISALIGNED = "misaligned"
     GROUP_DISAGREE = "group_disagree"
+    TP_DISAGREE = "tp_disagree"
+    """Another tensor-parallel rank's shard of this form could not serve the point this rank's
+    could (lost, corrupt, mid-swap, vetoed there); ``tp_rank`` names that rank."""
     EPOCH_CHANGED = "epoch_changed"
     """The state was replaced while the request used it, or a tier entry changed its epoch
     (dropped and stored again) while it was being swapped in: its read was refused."""

@@ -18,11 +18,19 @@ the reason in its events:
 * ``read_during_swap_in`` — swap-ins started by a prefetch are held in flight until a request
   waits for them, so a lookup arrives while they are ``SWAPPING_IN`` → it waits (when
   ``CacheConfig.swap_in_wait``) or resumes lower with ``in_flight_swap``.
+
+With tensor parallelism, ``on_rank`` confines every fault to one rank (None: every rank), and:
+
+* ``lose_shard`` — before each lookup, that rank's pools of the named form lose every object the
+  prompt matches (its shard lost or found corrupt), while the other ranks keep theirs → the
+  ranks agree on the lower point, every other rank reports ``tp_disagree`` naming that rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.events import Form
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,10 +43,12 @@ class Faults:
     groups_disagree: bool = False
     corrupt_offloaded_file: bool = False
     read_during_swap_in: bool = False
+    lose_shard: Form | None = None
+    on_rank: int | None = None
 
     @property
     def any(self) -> bool:
-        return any(getattr(self, name) for name in self.__dataclass_fields__)
+        return any(getattr(self, name) for name in self.__dataclass_fields__ if name != "on_rank")
 
 
 NO_FAULTS = Faults()

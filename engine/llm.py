@@ -23,6 +23,7 @@ from torch import Tensor
 
 from engine.cache import CacheConfig, PrefixCache
 from engine.cache.admission import CostModel
+from engine.cache.rank_agreement import RankAgreement
 from engine.cache.tiers import round_trip
 from engine.config import HybridConfig
 from engine.event_emitter import EventEmitter
@@ -33,6 +34,9 @@ from engine.memory_estimate import estimate
 from engine.model.base import ModelLayout
 from engine.model.kernel_backend import resolve_kernel_backend, set_kernel_backend
 from engine.outputs import CacheReport, RequestOutput, ScoreOutput
+from engine.parallel import engine_ranks
+from engine.parallel.executor import RankSpec, run_on_every_rank, runs_on_every_rank
+from engine.parallel.group import DEFAULT_TIMEOUT_SECONDS
 from engine.request_lifecycle import RequestLifecycle, check_fits
 from engine.request_lifecycle import RequestTooLarge as RequestTooLarge
 from engine.sampling import Sampler, SamplingParams
@@ -89,9 +93,16 @@ class LLM:
         dtype: the weights' and KV pools' dtype (``float32``, ``bfloat16``, ``float16``); None:
             a directory's ``config.json`` ``dtype`` / ``torch_dtype``, else float32. Recurrent
             state stays float32.
+        tensor_parallel_size: N ranks (one process each: this one is rank 0, the others are
+            spawned and stopped by :meth:`close`), each holding 1/N of the sharded weights and
+            of the sharded cache pools (:mod:`engine.parallel`; docs/tensor-parallel.md). CPU
+            (gloo) only for now, without host or disk tiers.
+        tp_timeout_seconds: how long a rank waits in one collective before the engine calls a
+            peer dead (:class:`~engine.parallel.group.RankFailed`).
 
     Raises:
-        ValueError: an unknown model name, dtype or an invalid cache configuration.
+        ValueError: an unknown model name, dtype or an invalid cache configuration; a model
+            whose heads do not divide by ``tensor_parallel_size`` (naming the field).
     """
 
     def __init__(
@@ -108,21 +119,43 @@ class LLM:
         cost_model: CostModel | None = None,
         kernel_backend: str = "auto",
         dtype: str | torch.dtype | None = None,
+        tensor_parallel_size: int = 1,
+        tp_timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        _rank: RankSpec | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.cache_config = cache or CacheConfig()
+        self.engine_id = engine_id or default_engine_id()
         loaded = load_model(model, self.device, dtype, precheck=self._check_memory)
         self.model = loaded.model
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.layout: ModelLayout = self.model.layout
         self.config = getattr(self.model, "config", None)
         """The family's config object (``HybridConfig``, ...), for callers that need it."""
-        self.engine_id = engine_id or default_engine_id()
+        self.tp_rank = 0 if _rank is None else _rank.rank
+        """This process's tensor-parallel rank (0: the engine's own process)."""
+        self.ranks: engine_ranks.EngineRanks | None = None
+        """The tensor-parallel group (and on rank 0 its workers); None in a single process."""
+        self._ranks = None
+        if tensor_parallel_size > 1:
+            workers_kwargs = dict(
+                model=model, device=device, cache=cache, engine_id=self.engine_id, check_invariants=check_invariants,
+                faults=faults, cost_model=cost_model, kernel_backend=kernel_backend, dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size, tp_timeout_seconds=tp_timeout_seconds,
+            )  # fmt: skip
+            self.ranks = engine_ranks.start(self.model, self.device, tensor_parallel_size, tp_timeout_seconds, _rank, workers_kwargs)
+            self._ranks = self.ranks.workers
+        self.layout: ModelLayout = self.model.layout
         self.dtype = next(self.model.parameters()).dtype
         """The weights' dtype, also the KV pools' (``dtype`` argument, else the checkpoint's config, else float32)."""
-        self.cache = PrefixCache.planned(self.layout, self.cache_config, self.model_name, self.device, self.dtype)
         try:
+            self.cache = PrefixCache.planned(self.layout, self.cache_config, self.model_name, self.device, self.dtype)
+        except BaseException:
+            self._close_ranks()
+            raise
+        try:
+            if self.ranks is not None:
+                self._join_cache(faults)
             self.kernel_backend = resolve_kernel_backend(kernel_backend, self.device, self.cache.unit_tokens)
             """The backend the layers run on (``torch`` or ``triton``)."""
             set_kernel_backend(self.model, self.kernel_backend)
@@ -130,7 +163,24 @@ class LLM:
         except BaseException:
             if self.cache.tiers is not None:
                 self.cache.tiers.close()  # gives the disk tier's directory back
+            self._close_ranks()
             raise
+        if self._ranks is not None:
+            self._ranks.collect()  # every worker built its shard
+
+    def _join_cache(self, faults: Faults | None) -> None:
+        """A tensor-parallel rank's cache: refuse the tiers (not per rank yet), compare the
+        ranks' pool geometry, and run every lookup through the cross-rank agreement."""
+        assert self.ranks is not None
+        if self.cache.tiers is not None:
+            raise ValueError("tensor_parallel_size > 1 does not support the host or disk tier yet (each rank would need its own shards there)")
+        engine_ranks.check_geometry(self.ranks.group, self.cache)
+        self.cache.agreement = RankAgreement(self.ranks.group)
+
+    def _close_ranks(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = self._ranks = None
 
     def _finish_init(
         self,
@@ -154,6 +204,8 @@ class LLM:
             self.sink = TelemetryClient(telemetry, self.engine_id)
         else:
             self.sink = telemetry
+        if faults is not None and faults.on_rank not in (None, self.tp_rank):
+            faults = None  # injected on another tensor-parallel rank only
         if faults is not None:
             self.cache.faults = faults
             if self.cache.tiers is not None:
@@ -179,6 +231,7 @@ class LLM:
         return self.lifecycle.check_invariants
 
     # -- public API ------------------------------------------------------------------------------
+    @runs_on_every_rank()
     @torch.no_grad()
     def prefill_logits(self, token_ids: Sequence[int]) -> Tensor:
         """Logits ``[T, vocab]`` (float32) of a full recompute with no cache: the reference.
@@ -189,6 +242,7 @@ class LLM:
         ids = self.lifecycle.as_tensor(token_ids)
         return self.model(ids, torch.arange(len(ids), device=self.device), self.model.new_dense_state())
 
+    @runs_on_every_rank()
     @torch.no_grad()
     def score(self, token_ids: Sequence[int], *, request_id: str | None = None) -> ScoreOutput:
         """Run a prompt through the prefix cache like a normal request (no decode) and return the
@@ -199,6 +253,7 @@ class LLM:
         assert result.logits is not None
         return ScoreOutput(request_id=rid, logits=result.logits, cache=result.report)
 
+    @runs_on_every_rank("on_token")
     @torch.no_grad()
     def generate(
         self,
@@ -239,6 +294,7 @@ class LLM:
             )
         return outputs
 
+    @runs_on_every_rank()
     def prefetch(self, prompt: str | Sequence[int]) -> int:
         """Start swapping in from host or disk what a request with this prompt would reuse,
         without waiting (the copies run on the tiers' reader threads; a later request waits for them or
@@ -256,6 +312,7 @@ class LLM:
         if not est.fits:
             raise ValueError(est.refusal())
 
+    @runs_on_every_rank()
     def offload(self, tier: Tier | str = Tier.HOST, *, evict: bool = True) -> int:
         """Copy every cached object (not leased by a running request) to ``tier`` and, with
         ``evict``, drop its device copy; returns the objects moved.
@@ -267,11 +324,22 @@ class LLM:
 
     def close(self, timeout_seconds: float | None = 30.0) -> None:
         """Finish the tiers' copies (file writes included), then flush and stop the telemetry
-        sink."""
-        if self.cache.tiers is not None:
-            self.cache.settle(wait=True)
-            self.cache.tiers.close()
-        self.sink.close(timeout_seconds)
+        sink; with tensor parallelism, stop the other ranks."""
+        try:
+            if self.cache.tiers is not None:
+                self.cache.settle(wait=True)
+                self.cache.tiers.close()
+            self.sink.close(timeout_seconds)
+        finally:
+            self._close_ranks()
+
+    def on_every_rank(self, fn: Callable[..., object], *args: object) -> list[object]:
+        """``fn(llm, *args)`` on every tensor-parallel rank (each with its own engine), results
+        in rank order; ``[fn(self, *args)]`` in a single process. ``fn`` must be picklable (a
+        module-level function): for tests and diagnostics (bytes held, invariants per rank)."""
+        if self._ranks is None:
+            return [fn(self, *args)]
+        return run_on_every_rank(self._ranks, self, fn, args)
 
     def __enter__(self) -> LLM:
         return self
@@ -307,6 +375,8 @@ class LLM:
             ttft = time.perf_counter() - t0
             while len(outputs) < params.max_tokens:
                 token = sampler(last)
+                if self.ranks is not None:  # rank 0's sample: every rank appends the same token
+                    token = self.ranks.group.broadcast_ints([token])[0]
                 outputs.append(token)
                 if len(outputs) == 1:
                     ttft = time.perf_counter() - t0
@@ -329,6 +399,7 @@ class LLM:
         self.events.engine_stats(ts)
 
     # -- helpers ---------------------------------------------------------------------------------
+    @runs_on_every_rank()
     def calibrate(self) -> CostModel:
         """Measure the admission's cost model on this device now (per-token prefill costs, each
         enabled tier's bandwidth and per-object cost) and use it from here on; returns it."""
@@ -350,6 +421,10 @@ class LLM:
                     self.model(ids, torch.arange(n, device=self.device), self.model.new_dense_state())
 
             self.cost_model = CostModel.measure(prefill, where, round_trip)
+            if self.ranks is not None:  # rank 0's measurement prices every rank's plans alike
+                measured = self.ranks.group.broadcast_object(self.cost_model)
+                assert isinstance(measured, CostModel)
+                self.cost_model = measured
             log.info("admission cost model: %s", self.cost_model)
         return self.cost_model
 

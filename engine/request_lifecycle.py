@@ -39,6 +39,7 @@ from torch import Tensor
 
 from engine.cache import CacheConfig, PrefixCache
 from engine.cache.admission import CostModel
+from engine.cache.hashing import BlockHash
 from engine.cache.prefix_cache import Admitted, StaleResume
 from engine.cache.sequence import PagedSequence
 from engine.event_emitter import EventEmitter
@@ -205,29 +206,58 @@ class RequestLifecycle:
         admitted_at = time.perf_counter()
         cache = self.cache
         hashes = cache.block_hashes(token_ids)
+        if cache.faults.lose_shard is not None:
+            cache.form_set.lose_shard(cache.faults.lose_shard, hashes)
         admitted = cache.admit(hashes, len(token_ids), costs, output_tokens=max_tokens)
         if cache.faults.evict_between_check_and_use:
             cache.inject_eviction(admitted.plan, hashes)
-        try:
-            seq = cache.start(admitted.plan, token_ids, hashes)
-        except StaleResume as stale:  # changed between check and use: recompute, say why
+        leased = self._lease(admitted, token_ids, hashes)
+        if isinstance(leased, StaleResume):  # changed between check and use: recompute, say why
             cache.finish_recovery(admitted)
-            admitted = cache.admit(hashes, len(token_ids), costs, output_tokens=max_tokens, vetoes={stale.form: Reason.EPOCH_CHANGED})
-            try:
-                seq = cache.start(admitted.plan, token_ids, hashes)
-            except BaseException:
+            admitted = cache.admit(hashes, len(token_ids), costs, output_tokens=max_tokens, vetoes={leased.form: Reason.EPOCH_CHANGED})
+            leased = self._lease(admitted, token_ids, hashes)
+            if isinstance(leased, StaleResume):
                 cache.finish_recovery(admitted)
-                raise
-        except BaseException:
-            cache.finish_recovery(admitted)
-            raise
+                raise leased
+        seq = leased
         try:
             epochs = {f.form: cache.form_epoch(seq, f, admitted.plan.resume_tokens) for f in cache.forms}
         except BaseException:
             cache.finish_recovery(admitted)
             seq.finish()
             raise
+        if cache.agreement is not None:
+            cache.agreement.count(admitted.plan)
         return Lease(AdmissionRecord(admitted, epochs, admitted_at), seq)
+
+    def _lease(self, admitted: Admitted, token_ids: list[int], hashes: list[BlockHash]) -> PagedSequence | StaleResume:
+        """:meth:`PrefixCache.start` on ``admitted``'s plan; a :class:`StaleResume` (returned,
+        nothing held) when a leased object changed since the lookup — with tensor parallelism,
+        on any rank (the ranks exchange it, :meth:`RankAgreement.stale`, and all release).
+
+        Raises:
+            RuntimeError: from :meth:`PrefixCache.start`; the recovery budget is given back.
+        """
+        cache = self.cache
+        seq: PagedSequence | None = None
+        stale: StaleResume | None = None
+        try:
+            seq = cache.start(admitted.plan, token_ids, hashes)
+        except StaleResume as exc:
+            stale = exc
+        except BaseException:
+            cache.finish_recovery(admitted)
+            raise
+        if cache.agreement is not None:
+            agreed = cache.agreement.stale(None if stale is None else stale.form, [f.form for f in cache.forms])
+            if agreed is not None and stale is None:
+                assert seq is not None
+                seq.finish()  # another rank's lease went stale: every rank plans again
+                stale = StaleResume(agreed[0])
+        if stale is not None:
+            return stale
+        assert seq is not None
+        return seq
 
     def commit(self, seq: PagedSequence, end: int) -> None:
         """After the forward of a chunk ending at token ``end`` (exclusive): publish its pages,

@@ -69,6 +69,9 @@ class FormLookup:
     spare_bytes: int | None = None
     """When the form could resume (``usable_tokens`` > 0): how much less device memory it could
     have had and still held what that resume reads (None: it resumes nowhere)."""
+    tp_rank: int = 0
+    """The tensor-parallel rank this verdict is about: the rank that held the form back for
+    ``tp_disagree``, else 0 (rank 0's own pools; always 0 in a single process)."""
     reason_tokens: int = 0
     """The resume point ``reason`` is about (:func:`stored_loss_reason`): the highest point the
     form lost where its state was ever stored (0: none was, or the form lost nothing)."""

@@ -223,6 +223,18 @@ class FormSet:
         if block is not None:
             form.pool.invalidate(block)
 
+    def lose_shard(self, form: Form, hashes: Sequence[BlockHash]) -> None:
+        """Fault ``lose_shard``: withdraw every published object of ``form`` that one of
+        ``hashes`` names (as if this rank's shard of it were lost)."""
+        for f in self.forms:
+            if f.form != form:
+                continue
+            for pool in f.pools:
+                for h in hashes:
+                    block = pool.lookup(h)
+                    if block is not None:
+                        pool.invalidate(block)
+
     # -- what each form is -----------------------------------------------------------------------
     def resume_granularity(self) -> dict[Form, int]:
         """The coarsest spacing (tokens) between positions each form can resume at."""

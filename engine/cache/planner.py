@@ -21,6 +21,7 @@ from engine.cache.coordinator import ResumePlan, plan_resume, resume_limit
 from engine.cache.form_set import FormSet
 from engine.cache.ghosts import GhostPricer
 from engine.cache.hashing import BlockHash
+from engine.cache.rank_agreement import RankAgreement
 from engine.cache.swap import SwapController, SwapPlan
 from engine.cache.tail_replay import tail_replay_plan
 from engine.cache.validation import check_granularity
@@ -50,6 +51,9 @@ class Planner:
         self.recovery = recovery
         self.config = config
         self.ghosts = GhostPricer(form_set)
+        self.agreement: RankAgreement | None = None
+        """With tensor parallelism: the cross-rank exchanges every lookup runs in lockstep
+        (:mod:`engine.cache.rank_agreement`); None in a single process."""
 
     def lookup(
         self,
@@ -75,13 +79,22 @@ class Planner:
         Raises:
             RuntimeError: L* itself is not a multiple of U (an internal invariant).
         """
-        fs, u = self.form_set, self.form_set.unit_tokens
+        fs, u, agreement = self.form_set, self.form_set.unit_tokens, self.agreement
         hit = fs.hash_hit_tokens(hashes) if hit_tokens is None else hit_tokens
+        if agreement is not None:
+            agreement.begin()
+            hit = agreement.hash_hit(hit)
         reasons = fs.failure_reasons(vetoes) if hit else dict(vetoes or {})
+        if agreement is not None:
+            reasons = agreement.vetoes(reasons, [f.form for f in fs.forms])
         forms = fs.resumable(reasons)
+        if agreement is not None:
+            forms = agreement.forms(forms, hashes)
         plan = plan_resume(forms, hashes, prompt_tokens, hit, u)
         if replay and self.config.tail_replay != "off" and fs.linear is not None and hit and Form.LINEAR_STATE not in reasons:
             plan = tail_replay_plan(plan, forms, hashes, prompt_tokens + output_tokens, hit, config=self.config, kv_forms=fs.kv_forms)
+        if agreement is not None:
+            plan = agreement.annotate(plan)
         plan = dataclasses.replace(plan, pool_versions=fs.pool_versions())
         if self.swap is not None and self.swap.prefetching:  # objects on their way up: the forms that need them say so
             plan = relabel(plan, self.swap.in_flight_forms(hashes, plan), (Outcome.INVALIDATED, Outcome.REPLAYED))

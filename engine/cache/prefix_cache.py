@@ -39,6 +39,7 @@ from engine.cache.hashing import BlockHash
 from engine.cache.leases import Leases, StaleResume
 from engine.cache.memory_plan import MemoryPlan, PoolPlan
 from engine.cache.planner import Admitted, Planner
+from engine.cache.rank_agreement import RankAgreement
 from engine.cache.sequence import PagedSequence
 from engine.cache.swap import SwapController, check_offload_tier, open_tiers
 from engine.cache.validation import ValidationFailure
@@ -126,6 +127,16 @@ class PrefixCache:
     @faults.setter
     def faults(self, faults: Faults) -> None:
         self.writer.faults = faults
+
+    @property
+    def agreement(self) -> RankAgreement | None:
+        """The cross-rank agreement of a tensor-parallel rank's lookups and leases (None in a
+        single process); see :mod:`engine.cache.rank_agreement`."""
+        return self.planner.agreement
+
+    @agreement.setter
+    def agreement(self, agreement: RankAgreement | None) -> None:
+        self.planner.agreement = agreement
 
     @property
     def budget(self) -> tuple[int, int] | None:

@@ -104,12 +104,14 @@ class HybridForCausalLM(CausalLM):
     def layout(self) -> ModelLayout:
         c = self.config
         compressed = {i: layer.mixer for i, layer in enumerate(self.layers) if isinstance(layer.mixer, DeepseekV4Attention)}
+        # the modules' own KV heads: a tensor-parallel rank's shard keeps fewer than the config
+        kv_heads = next((layer.mixer.num_kv_heads for layer in self.layers if isinstance(layer.mixer, Attention)), c.num_key_value_heads)
         return ModelLayout(
             model_type=c.model_type,
             revision=c.revision,
             vocab_size=c.vocab_size,
             layer_types=c.layer_types,
-            num_kv_heads=c.num_key_value_heads,
+            num_kv_heads=kv_heads,
             kv_head_dim=c.head_dim,
             sliding_window=c.sliding_window if set(c.layer_types) & WINDOW_KINDS else None,
             linear_state_shapes=self.linear_state_shapes(),

@@ -186,12 +186,14 @@ class Qwen3NextForCausalLM(CausalLM):
     @property
     def layout(self) -> ModelLayout:
         c = self.config
+        # the modules' own KV heads: a tensor-parallel rank's shard keeps fewer than the config
+        kv_heads = next((m.num_kv_heads for m in self.model.layers.modules() if isinstance(m, Qwen3NextAttention)), c.num_key_value_heads)
         return ModelLayout(
             model_type=c.model_type,
             revision=c.revision,
             vocab_size=c.vocab_size,
             layer_types=c.layer_types,
-            num_kv_heads=c.num_key_value_heads,
+            num_kv_heads=kv_heads,
             kv_head_dim=c.head_dim,
             sliding_window=None,
             linear_state_shapes=self.linear_state_shapes(),

@@ -1,0 +1,93 @@
+"""Starting the ranks of one tensor-parallel engine and the checks they make together at start.
+
+:func:`start` runs inside ``LLM.__init__`` on every rank, between loading the whole model and
+building its prefix cache: rank 0 refuses a model whose heads do not divide by N (before any
+process starts), spawns the workers and every rank joins the group and cuts its model to its
+shard. :func:`check_geometry` runs once the cache exists: the ranks compare a fingerprint of
+their pools, so ranks that would hold different block geometries never serve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.cache import PrefixCache
+from engine.parallel.executor import RankProcesses, RankSpec
+from engine.parallel.group import TensorParallelGroup, free_port
+from engine.parallel.sharding import check_shardable, shard_model
+
+
+@dataclass(slots=True)
+class EngineRanks:
+    """One rank's part in a tensor-parallel engine: its group, and on rank 0 the workers."""
+
+    group: TensorParallelGroup
+    workers: RankProcesses | None
+
+    def close(self) -> None:
+        """Stop the workers (rank 0), then leave the group."""
+        try:
+            if self.workers is not None:
+                self.workers.close()
+        finally:
+            self.group.close()
+
+
+def start(model: nn.Module, device: torch.device, size: int, timeout_seconds: float, spec: RankSpec | None, llm_kwargs: dict[str, Any]) -> EngineRanks:
+    """Join (``spec``: a worker) or start (rank 0: spawn ranks 1 … N − 1 with ``llm_kwargs``)
+    the group, then cut ``model`` to this rank's shard.
+
+    Raises:
+        ValueError: N < 1, a device other than the CPU (NCCL is not wired yet), or a head count
+            that does not divide by N (naming the config field).
+        RankFailed: a worker died before joining.
+    """
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be ≥ 1, got {size}")
+    if device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size > 1 runs on the CPU (gloo) for now; device {device} needs NCCL, which is not wired yet")
+    check_shardable(model, size)
+    workers: RankProcesses | None = None
+    if spec is None:
+        port = free_port()
+        workers = RankProcesses(size, port, timeout_seconds, llm_kwargs)
+        rank = 0
+    else:
+        port, rank = spec.port, spec.rank
+    try:
+        group = TensorParallelGroup(rank, size, port, timeout_seconds=timeout_seconds)
+        shard_model(model, group)
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
+    return EngineRanks(group, workers)
+
+
+def geometry_fingerprint(cache: PrefixCache) -> int:
+    """A 63-bit hash of every pool's name, blocks and bytes per block, and of the layout's
+    per-layer state shapes: equal on every rank of a well-formed engine."""
+    layout = cache.layout
+    parts = [repr((p.name, p.blocks, p.bytes_per_block, p.tokens_per_block)) for p in cache.pool_plans()]
+    parts.append(repr((layout.num_kv_heads, layout.kv_head_dim, sorted(layout.linear_state_shapes.items()), sorted(layout.kv_geometry.items()))))
+    return int.from_bytes(hashlib.sha256("|".join(parts).encode()).digest()[:8], "big") >> 1
+
+
+def check_geometry(group: TensorParallelGroup, cache: PrefixCache) -> None:
+    """Compare the ranks' :func:`geometry_fingerprint` (on the startup group).
+
+    Raises:
+        ValueError: naming the ranks whose geometry differs from rank 0's.
+    """
+    prints = [row[0] for row in group.startup_gather([geometry_fingerprint(cache)])]
+    differ = [r for r, p in enumerate(prints) if p != prints[0]]
+    if differ:
+        raise ValueError(
+            f"tensor-parallel ranks {differ} hold another cache geometry than rank 0 "
+            f"(pool blocks, block bytes or state shapes differ; fingerprints {[hex(p) for p in prints]})"
+        )
