@@ -136,15 +136,13 @@ class LLM:
         """This process's tensor-parallel rank (0: the engine's own process)."""
         self.ranks: engine_ranks.EngineRanks | None = None
         """The tensor-parallel group (and on rank 0 its workers); None in a single process."""
-        self._ranks = None
         if tensor_parallel_size > 1:
             workers_kwargs = dict(
                 model=model, device=device, cache=cache, engine_id=self.engine_id, check_invariants=check_invariants,
                 faults=faults, cost_model=cost_model, kernel_backend=kernel_backend, dtype=dtype,
                 tensor_parallel_size=tensor_parallel_size, tp_timeout_seconds=tp_timeout_seconds,
             )  # fmt: skip
-            self.ranks = engine_ranks.start(self.model, self.device, tensor_parallel_size, tp_timeout_seconds, _rank, workers_kwargs)
-            self._ranks = self.ranks.workers
+            self.ranks = engine_ranks.start(self.model, self.device, tensor_parallel_size, tp_timeout_seconds, _rank, LLM, workers_kwargs)
         self.layout: ModelLayout = self.model.layout
         self.dtype = next(self.model.parameters()).dtype
         """The weights' dtype, also the KV pools' (``dtype`` argument, else the checkpoint's config, else float32)."""
@@ -165,8 +163,8 @@ class LLM:
                 self.cache.tiers.close()  # gives the disk tier's directory back
             self._close_ranks()
             raise
-        if self._ranks is not None:
-            self._ranks.collect()  # every worker built its shard
+        if self.ranks is not None and self.ranks.workers is not None:
+            self.ranks.workers.collect()  # every worker built its shard
 
     def _join_cache(self, faults: Faults | None) -> None:
         """A tensor-parallel rank's cache: refuse the tiers (not per rank yet), compare the
@@ -180,7 +178,7 @@ class LLM:
     def _close_ranks(self) -> None:
         if self.ranks is not None:
             self.ranks.close()
-            self.ranks = self._ranks = None
+            self.ranks = None
 
     def _finish_init(
         self,
@@ -337,9 +335,9 @@ class LLM:
         """``fn(llm, *args)`` on every tensor-parallel rank (each with its own engine), results
         in rank order; ``[fn(self, *args)]`` in a single process. ``fn`` must be picklable (a
         module-level function): for tests and diagnostics (bytes held, invariants per rank)."""
-        if self._ranks is None:
+        if self.ranks is None or self.ranks.workers is None:
             return [fn(self, *args)]
-        return run_on_every_rank(self._ranks, self, fn, args)
+        return run_on_every_rank(self.ranks.workers, self, fn, args)
 
     def __enter__(self) -> LLM:
         return self

@@ -10,6 +10,7 @@ their pools, so ranks that would hold different block geometries never serve.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +39,12 @@ class EngineRanks:
             self.group.close()
 
 
-def start(model: nn.Module, device: torch.device, size: int, timeout_seconds: float, spec: RankSpec | None, llm_kwargs: dict[str, Any]) -> EngineRanks:
-    """Join (``spec``: a worker) or start (rank 0: spawn ranks 1 … N − 1 with ``llm_kwargs``)
-    the group, then cut ``model`` to this rank's shard.
+def start(
+    model: nn.Module, device: torch.device, size: int, timeout_seconds: float, spec: RankSpec | None,
+    factory: Callable[..., Any], llm_kwargs: dict[str, Any],
+) -> EngineRanks:  # fmt: skip
+    """Join (``spec``: a worker) or start (rank 0: spawn ranks 1 … N − 1, each building
+    ``factory(**llm_kwargs)``) the group, then cut ``model`` to this rank's shard.
 
     Raises:
         ValueError: N < 1, a device other than the CPU (NCCL is not wired yet), or a head count
@@ -55,7 +59,7 @@ def start(model: nn.Module, device: torch.device, size: int, timeout_seconds: fl
     workers: RankProcesses | None = None
     if spec is None:
         port = free_port()
-        workers = RankProcesses(size, port, timeout_seconds, llm_kwargs)
+        workers = RankProcesses(size, port, timeout_seconds, factory, llm_kwargs)
         rank = 0
     else:
         port, rank = spec.port, spec.rank

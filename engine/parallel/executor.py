@@ -55,33 +55,36 @@ class RankProcesses:
         port: the group's rendezvous port.
         timeout_seconds: the step collectives' timeout (also how long :meth:`collect` waits for
             a worker that is alive but silent after rank 0 finished).
-        llm_kwargs: the keyword arguments each worker builds its ``LLM`` with (picklable).
+        factory: what each worker builds its engine with (the ``LLM`` class: pickled by name).
+        llm_kwargs: the keyword arguments of ``factory`` (picklable); each worker adds its
+            ``_rank`` (:class:`RankSpec`).
 
     Raises:
         RankFailed: a worker died before it could join.
     """
 
-    def __init__(self, size: int, port: int, timeout_seconds: float, llm_kwargs: dict[str, Any]) -> None:
+    def __init__(self, size: int, port: int, timeout_seconds: float, factory: Callable[..., Any], llm_kwargs: dict[str, Any]) -> None:
         ctx = mp.get_context("spawn")
         threads = max(1, (os.cpu_count() or 1) // size)
         self.timeout_seconds = timeout_seconds
         self.lock = threading.RLock()
         self.depth = 0
         """Nesting of :func:`runs_on_every_rank` calls on rank 0 (only the outermost is sent)."""
-        self.workers: list[tuple[int, mp.process.BaseProcess, Connection]] = []
+        self.processes: list[tuple[int, mp.process.BaseProcess, Connection]] = []
+        """(rank, process, pipe) of every worker."""
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             spec = RankSpec(rank, size, port, timeout_seconds, threads)
-            proc = ctx.Process(target=_worker_main, args=(spec, llm_kwargs, child), name=f"kvscope-tp-rank{rank}", daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(spec, factory, llm_kwargs, child), name=f"kvscope-tp-rank{rank}", daemon=True)
             proc.start()
             child.close()
-            self.workers.append((rank, proc, parent))
-        for rank, _, _ in self.workers:
+            self.processes.append((rank, proc, parent))
+        for rank, _, _ in self.processes:
             self._reply(rank, "started")
 
     def dead(self) -> list[int]:
         """Ranks whose process has exited."""
-        return [rank for rank, proc, _ in self.workers if not proc.is_alive()]
+        return [rank for rank, proc, _ in self.processes if not proc.is_alive()]
 
     def send(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Ask every worker to run ``LLM.<name>(*args, **kwargs)``.
@@ -89,7 +92,7 @@ class RankProcesses:
         Raises:
             RankFailed: a worker is gone.
         """
-        for rank, _, conn in self.workers:
+        for rank, _, conn in self.processes:
             try:
                 conn.send((name, args, kwargs))
             except (BrokenPipeError, OSError) as exc:
@@ -105,7 +108,7 @@ class RankProcesses:
         """
         replies: list[Any] = []
         failure: RankFailed | None = None
-        for rank, _, _ in self.workers:
+        for rank, _, _ in self.processes:
             try:
                 replies.append(self._reply(rank, "a call"))
             except RankFailed as exc:
@@ -116,7 +119,7 @@ class RankProcesses:
         return replies
 
     def _reply(self, rank: int, what: str) -> Any:
-        _, proc, conn = self.workers[rank - 1]
+        _, proc, conn = self.processes[rank - 1]
         ready = wait([conn, proc.sentinel], timeout=self.timeout_seconds * 2 + 30)
         if conn in ready:
             try:
@@ -132,12 +135,12 @@ class RankProcesses:
 
     def close(self, timeout_seconds: float = 10.0) -> None:
         """Stop every worker: ask it to close its engine, then terminate what is left."""
-        for _, _, conn in self.workers:
+        for _, _, conn in self.processes:
             try:
                 conn.send((_CLOSE, (), {}))
             except (BrokenPipeError, OSError):
                 pass
-        for _, proc, conn in self.workers:
+        for _, proc, conn in self.processes:
             proc.join(timeout_seconds)
             if proc.is_alive():
                 proc.terminate()
@@ -146,7 +149,7 @@ class RankProcesses:
                 proc.kill()
                 proc.join(2.0)
             conn.close()
-        self.workers = []
+        self.processes = []
 
 
 def runs_on_every_rank(*local_only: str) -> Callable[[F], F]:
@@ -158,7 +161,8 @@ def runs_on_every_rank(*local_only: str) -> Callable[[F], F]:
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            ranks: RankProcesses | None = getattr(self, "_ranks", None)
+            engine_ranks = getattr(self, "ranks", None)
+            ranks: RankProcesses | None = None if engine_ranks is None else engine_ranks.workers
             if ranks is None:
                 return method(self, *args, **kwargs)
             with ranks.lock:
@@ -199,17 +203,15 @@ def run_on_every_rank(ranks: RankProcesses, target: Any, fn: Callable[..., Any],
             ranks.depth -= 1
 
 
-def _worker_main(spec: RankSpec, llm_kwargs: dict[str, Any], conn: Connection) -> None:
+def _worker_main(spec: RankSpec, factory: Callable[..., Any], llm_kwargs: dict[str, Any], conn: Connection) -> None:
     """A worker rank: build the engine's shard, then run rank 0's calls until told to stop or
     until rank 0 is gone."""
     import torch
 
     torch.set_num_threads(spec.threads)
     conn.send(("ok", None))  # started: rank 0 now joins the group with us
-    from engine.llm import LLM
-
     try:
-        llm = LLM(**llm_kwargs, _rank=spec)
+        llm = factory(**llm_kwargs, _rank=spec)
     except BaseException as exc:  # rank 0 fails the same way, or learns why here
         _send(conn, ("error", f"{type(exc).__name__}: {exc}"))
         return

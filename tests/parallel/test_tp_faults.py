@@ -92,8 +92,8 @@ def test_host_and_disk_tiers_are_refused_for_now(tmp_path: object) -> None:
 def test_a_dead_rank_fails_the_next_call_and_names_it() -> None:
     tp = LLM("kvscope_hybrid-tiny", device="cpu", cache=CACHE, tensor_parallel_size=2, tp_timeout_seconds=5.0)
     try:
-        assert tp._ranks is not None
-        (_, proc, _), = tp._ranks.workers
+        assert tp.ranks is not None and tp.ranks.workers is not None
+        ((_, proc, _),) = tp.ranks.workers.processes
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
         with pytest.raises(RankFailed) as failed:
