@@ -10,9 +10,8 @@ time; :class:`~engine.runtime.runtime.Runtime` runs many at once over the same l
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,39 +22,28 @@ from torch import Tensor
 
 from engine.cache import CacheConfig, PrefixCache
 from engine.cache.admission import CostModel
-from engine.cache.rank_agreement import RankAgreement
-from engine.cache.tiers import round_trip
 from engine.config import HybridConfig
+from engine.cost_calibration import measure_cost_model
 from engine.event_emitter import EventEmitter
 from engine.events import Tier
 from engine.faults import Faults
+from engine.identity import default_engine_id as default_engine_id
+from engine.identity import resolve_device
 from engine.loader import load_model
-from engine.memory_estimate import estimate
+from engine.memory_estimate import check_memory
 from engine.model.base import ModelLayout
 from engine.model.kernel_backend import resolve_kernel_backend, set_kernel_backend
 from engine.outputs import CacheReport, RequestOutput, ScoreOutput
 from engine.parallel import engine_ranks
 from engine.parallel.executor import RankSpec, run_on_every_rank, runs_on_every_rank
 from engine.parallel.group import DEFAULT_TIMEOUT_SECONDS
+from engine.prompt_inputs import normalise_prompts
 from engine.request_lifecycle import RequestLifecycle, check_fits
 from engine.request_lifecycle import RequestTooLarge as RequestTooLarge
 from engine.sampling import Sampler, SamplingParams
 from engine.telemetry import EventSink, NullSink, TelemetryClient
 
 log = logging.getLogger(__name__)
-
-
-def default_engine_id() -> str:
-    """``host-pid-start``: unique per engine run (the start time, hex milliseconds, tells apart
-    two runs that got the same pid), so each run's batch seqs start at 0 under their own id."""
-    return f"{socket.gethostname()}-{os.getpid()}-{time.time_ns() // 1_000_000:x}"
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` picks CUDA when present, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 @dataclass(slots=True)
@@ -126,7 +114,7 @@ class LLM:
         self.device = resolve_device(device)
         self.cache_config = cache or CacheConfig()
         self.engine_id = engine_id or default_engine_id()
-        loaded = load_model(model, self.device, dtype, precheck=self._check_memory)
+        loaded = load_model(model, self.device, dtype, precheck=functools.partial(check_memory, self.cache_config, self.device))
         self.model = loaded.model
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -153,7 +141,7 @@ class LLM:
             raise
         try:
             if self.ranks is not None:
-                self._join_cache(faults)
+                engine_ranks.join_cache(self.ranks, self.cache)
             self.kernel_backend = resolve_kernel_backend(kernel_backend, self.device, self.cache.unit_tokens)
             """The backend the layers run on (``torch`` or ``triton``)."""
             set_kernel_backend(self.model, self.kernel_backend)
@@ -165,15 +153,6 @@ class LLM:
             raise
         if self.ranks is not None and self.ranks.workers is not None:
             self.ranks.workers.collect()  # every worker built its shard
-
-    def _join_cache(self, faults: Faults | None) -> None:
-        """A tensor-parallel rank's cache: refuse the tiers (not per rank yet), compare the
-        ranks' pool geometry, and run every lookup through the cross-rank agreement."""
-        assert self.ranks is not None
-        if self.cache.tiers is not None:
-            raise ValueError("tensor_parallel_size > 1 does not support the host or disk tier yet (each rank would need its own shards there)")
-        engine_ranks.check_geometry(self.ranks.group, self.cache)
-        self.cache.agreement = RankAgreement(self.ranks.group)
 
     def _close_ranks(self) -> None:
         if self.ranks is not None:
@@ -271,7 +250,7 @@ class LLM:
                 does not fit the cache pools.
         """
         params = sampling_params or SamplingParams()
-        batch = self._normalise_prompts(prompts)
+        batch = normalise_prompts(self.tokenizer, prompts)
         if request_ids is not None and len(request_ids) != len(batch):
             raise ValueError(f"{len(request_ids)} request_ids for {len(batch)} prompts")
         outputs = []
@@ -301,14 +280,6 @@ class LLM:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.lifecycle.as_tensor(ids)
         return self.cache.prefetch(self.cache.block_hashes(ids), len(ids))
-
-    def _check_memory(self, layout: ModelLayout, weights_bytes: int, dtype: torch.dtype) -> None:
-        """Before the weights are loaded: log what the weights and the cache will take, and refuse
-        (``ValueError`` naming the settings to change) when the device has not that much free."""
-        est = estimate(layout, weights_bytes, self.cache_config, dtype, self.device)
-        log.info("%s", est.render())
-        if not est.fits:
-            raise ValueError(est.refusal())
 
     @runs_on_every_rank()
     def offload(self, tier: Tier | str = Tier.HOST, *, evict: bool = True) -> int:
@@ -407,40 +378,14 @@ class LLM:
         return costs
 
     def _costs(self) -> CostModel | None:
-        """The admission's cost model, measured once on this device when first needed."""
+        """The admission's cost model, measured once on this device when first needed (with
+        tensor parallelism every rank measures in lockstep and rank 0's figures are used)."""
         if self._needs_costs:
             self._needs_costs = False
-            tiers = self.cache.tiers
-            where = {} if tiers is None else {t: tiers.disk_dir for t, on in tiers.enabled.items() if on}
-
-            def prefill(n: int) -> None:
-                ids = torch.randint(0, self.layout.vocab_size, (n,), device=self.device)
-                with torch.no_grad():
-                    self.model(ids, torch.arange(n, device=self.device), self.model.new_dense_state())
-
-            self.cost_model = CostModel.measure(prefill, where, round_trip)
-            if self.ranks is not None:  # rank 0's measurement prices every rank's plans alike
-                measured = self.ranks.group.broadcast_object(self.cost_model)
-                assert isinstance(measured, CostModel)
-                self.cost_model = measured
+            group = None if self.ranks is None else self.ranks.group
+            self.cost_model = measure_cost_model(self.model, self.layout.vocab_size, self.device, self.cache.tiers, group)
             log.info("admission cost model: %s", self.cost_model)
         return self.cost_model
-
-    def _normalise_prompts(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
-        if isinstance(prompts, str):
-            return [self.tokenizer.encode(prompts)]
-        items: list[object] = list(prompts)
-        if items and all(isinstance(p, int) for p in items):
-            return [[p for p in items if isinstance(p, int)]]
-        out: list[list[int]] = []
-        for p in items:
-            if isinstance(p, str):
-                out.append(self.tokenizer.encode(p))
-            elif isinstance(p, Sequence):
-                out.append([int(t) for t in p])
-            else:
-                raise ValueError(f"a prompt must be text or a list of token ids, got {type(p).__name__}")
-        return out
 
 
 def check_cache_config(model: str | Path, cache: CacheConfig) -> None:

@@ -93,3 +93,16 @@ def available_bytes(device: torch.device) -> int | None:
 
 def estimate(layout: ModelLayout, weights_bytes: int, config: CacheConfig, dtype: torch.dtype, device: torch.device) -> MemoryEstimate:
     return MemoryEstimate(str(device), weights_bytes, cache_bytes(layout, config, dtype), available_bytes(device))
+
+
+def check_memory(config: CacheConfig, device: torch.device, layout: ModelLayout, weights_bytes: int, dtype: torch.dtype) -> None:
+    """The loader's precheck, before the weights are loaded: log what the weights and the cache
+    will take, and refuse when the device has not that much free.
+
+    Raises:
+        ValueError: naming the settings to change.
+    """
+    est = estimate(layout, weights_bytes, config, dtype, device)
+    log.info("%s", est.render())
+    if not est.fits:
+        raise ValueError(est.refusal())

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.cache import PrefixCache
+from engine.cache.rank_agreement import RankAgreement
 from engine.parallel.executor import RankProcesses, RankSpec
 from engine.parallel.group import TensorParallelGroup, free_port
 from engine.parallel.sharding import check_shardable, shard_model
@@ -71,6 +72,20 @@ def start(
             workers.close()
         raise
     return EngineRanks(group, workers)
+
+
+def join_cache(ranks: EngineRanks, cache: PrefixCache) -> None:
+    """A rank's cache joins the engine: refuse the tiers (not per rank yet), compare the ranks'
+    pool geometry (:func:`check_geometry`) and run every lookup and lease through the
+    cross-rank agreement.
+
+    Raises:
+        ValueError: a host or disk tier is on, or the ranks' geometries differ.
+    """
+    if cache.tiers is not None:
+        raise ValueError("tensor_parallel_size > 1 does not support the host or disk tier yet (each rank would need its own shards there)")
+    check_geometry(ranks.group, cache)
+    cache.agreement = RankAgreement(ranks.group)
 
 
 def geometry_fingerprint(cache: PrefixCache) -> int:

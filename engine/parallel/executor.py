@@ -15,6 +15,7 @@ outlives the engine. A worker that dies is seen at once through its process sent
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing as mp
@@ -136,10 +137,8 @@ class RankProcesses:
     def close(self, timeout_seconds: float = 10.0) -> None:
         """Stop every worker: ask it to close its engine, then terminate what is left."""
         for _, _, conn in self.processes:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send((_CLOSE, (), {}))
-            except (BrokenPipeError, OSError):
-                pass
         for _, proc, conn in self.processes:
             proc.join(timeout_seconds)
             if proc.is_alive():

@@ -21,6 +21,7 @@ import pickle
 import socket
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,9 +88,10 @@ class TensorParallelGroup:
         startup = datetime.timedelta(seconds=startup_timeout_seconds)
         try:
             self._store = dist.TCPStore(host, port, size, rank == 0, timeout=startup)
-            self._startup = dist.ProcessGroupGloo(dist.PrefixStore("startup", self._store), rank, size, startup)
+            # the backend's collectives (allreduce, allgather, broadcast) are not in its type stubs
+            self._startup: Any = dist.ProcessGroupGloo(dist.PrefixStore("startup", self._store), rank, size, startup)
             step = datetime.timedelta(seconds=timeout_seconds)
-            self._group = dist.ProcessGroupGloo(dist.PrefixStore("step", self._store), rank, size, step)
+            self._group: Any = dist.ProcessGroupGloo(dist.PrefixStore("step", self._store), rank, size, step)
         except (RuntimeError, dist.DistError) as exc:
             raise RankFailed(f"tensor-parallel rank {rank} of {size} could not join the group on {host}:{port}: {exc}") from exc
         self.counts: Counter[str] = Counter()

@@ -111,7 +111,7 @@ def keep_cols(linear: nn.Linear, index: Tensor, shard: Shard) -> None:
     linear.in_features = len(index)
 
 
-def keep(param: nn.Parameter, index: Tensor, dim: int = 0) -> nn.Parameter:
+def keep(param: Tensor, index: Tensor, dim: int = 0) -> nn.Parameter:
     """A new parameter holding ``index`` of ``param`` along ``dim``."""
     return nn.Parameter(param.detach().index_select(dim, index).clone(), requires_grad=False)
 

@@ -19,6 +19,9 @@ Each :meth:`Runtime.step`:
 
 This follows vLLM's engine core (scheduler → model runner → sampler, preemption by recompute).
 Everything runs on the caller's thread; the server drives it from its own engine thread.
+
+With tensor parallelism every rank runs each step in lockstep on its mirror of rank 0's runtime
+(:mod:`engine.runtime.runtime_ranks`); rank 0's sampled tokens are broadcast once per step.
 """
 
 from __future__ import annotations
@@ -27,21 +30,24 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from engine.cache.block_pool import SENTINEL_BLOCK, PoolExhausted
-from engine.cache.forms import PagedKVForm
+from engine.cache.block_pool import PoolExhausted
 from engine.llm import LLM
 from engine.model.state import PackedStates
 from engine.outputs import RequestOutput
+from engine.runtime import runtime_ranks
+from engine.runtime.memory_fit import fits
 from engine.runtime.model_runner import DecodeRunner, supports_static_decode
 from engine.runtime.request import FinishReason, RuntimeRequest
 from engine.runtime.scheduler import Scheduler, SchedulerConfig
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
 
 
 class Runtime:
@@ -92,6 +98,14 @@ class Runtime:
         self.num_steps = 0
         self.last_step_tokens = 0
         """Tokens the last step computed (at most ``max_num_batched_tokens``)."""
+        self._inputs: list[tuple[str, object]] = []  # tensor parallelism: adds and aborts the mirrors have not seen
+        self.mirrored = llm.ranks is not None and llm.ranks.workers is not None
+        """Whether this is rank 0 of a tensor-parallel engine (its workers run mirrors)."""
+        if llm.ranks is not None:
+            runtime_ranks.register(llm, self)
+        if self.mirrored:
+            mirror = {"config": self.config, "static_decode": static_decode, "decode_batch_sizes": decode_batch_sizes}
+            llm.on_every_rank(runtime_ranks.build_mirror, Runtime, mirror)
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(
@@ -134,6 +148,8 @@ class Runtime:
         )
         self.requests[rid] = request
         self.waiting.append(request)
+        if self.mirrored:
+            self._inputs.append(("add", {"prompt": ids, "params": params, "request_id": rid, "session": session}))
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -145,6 +161,8 @@ class Runtime:
         if request in self.waiting:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
+        if self.mirrored:
+            self._inputs.append(("abort", request_id))
         return True
 
     def has_unfinished(self) -> bool:
@@ -165,7 +183,19 @@ class Runtime:
     @torch.no_grad()
     def step(self) -> list[RuntimeRequest]:
         """One engine step (module docstring); returns the requests that got a token or
-        finished in it."""
+        finished in it. On rank 0 of a tensor-parallel engine every rank runs it.
+
+        Raises:
+            RankFailed: a tensor-parallel rank died or hung. RuntimeError: the ranks scheduled
+                different steps (an internal invariant).
+        """
+        if not self.mirrored:
+            return self.step_here()
+        inputs, self._inputs = self._inputs, []
+        return cast(list[RuntimeRequest], self.llm.on_every_rank(runtime_ranks.step_on_rank, inputs)[0])
+
+    def step_here(self) -> list[RuntimeRequest]:
+        """The step on this rank only (what :meth:`step` runs on every rank)."""
         plan = self.scheduler.schedule(self.running)
         work: list[tuple[RuntimeRequest, int]] = [(r, r.num_tokens) for r in plan.decodes]  # type: ignore[misc]
         work += plan.prefills  # type: ignore[arg-type]
@@ -175,7 +205,7 @@ class Runtime:
             if nxt is None:
                 break
             assert isinstance(nxt, RuntimeRequest)
-            if self.running and not self._fits(nxt):
+            if self.running and not fits(self.llm.cache, self.running, nxt):
                 break  # wait for memory rather than admit and preempt (vLLM's can_allocate)
             self.waiting.remove(nxt)
             self._start(nxt)
@@ -183,6 +213,8 @@ class Runtime:
             work.append((nxt, end))
             budget -= end - nxt.num_computed_tokens
         prepared = self._allocate(work)
+        if llm_ranks := self.llm.ranks:
+            runtime_ranks.agree_on_schedule(llm_ranks.group, [(r.serial, start, end) for r, start, end, _ in prepared], self.num_preemptions)
         self.num_steps += 1
         self.last_step_tokens = sum(end - start for _, start, end, _ in prepared)
         if not prepared:
@@ -220,8 +252,14 @@ class Runtime:
             lifecycle.commit(seq, end)
             if end == len(seq.token_ids):
                 self._prefill_done(r)
-                self._sample(r, last_rows[id(r)])
                 touched.append(r)
+        sampling = [r for r in touched if len(r.output_token_ids) < r.params.max_tokens]  # max_tokens = 0: a prefill only
+        tokens = [r.sampler(last_rows[id(r)]) for r in sampling]
+        if self.llm.ranks is not None and tokens:  # rank 0's samples: every rank appends the same tokens
+            tokens = self.llm.ranks.group.broadcast_ints(tokens)
+        chosen = dict(zip(map(id, sampling), tokens, strict=True))
+        for r in touched:
+            self._take(r, chosen.get(id(r)), last_rows[id(r)])
         lifecycle.check_cache()
         return touched
 
@@ -273,30 +311,6 @@ class Runtime:
             r.first_admission = r.lease.record
         self.running.append(r)
 
-    def _pages_needed(self, r: RuntimeRequest, form: PagedKVForm) -> int:
-        """Pages of ``form`` that ``r`` will hold through its prompt and next token — and, once it
-        has been preempted, through all of its output, so it is not preempted again and again —
-        all of them for a full-KV form, the most one request holds for a window form."""
-        cache = self.llm.cache
-        if form.window is None:
-            tokens = r.num_tokens + (r.params.max_tokens - len(r.output_token_ids) if r.num_preemptions else 0)
-            return -(-tokens // cache.unit_tokens) + 1
-        return cache.window_pages_needed(form.window, r.params.max_tokens - len(r.output_token_ids))
-
-    def _fits(self, r: RuntimeRequest) -> bool:
-        """Whether every KV pool can hold ``r``'s pages (:meth:`_pages_needed`) besides what the
-        running requests will still allocate, counting cached pages as evictable (vLLM's
-        ``can_allocate``). Conservative: pages ``r`` would reuse from the cache count too."""
-        for form in self.llm.cache.kv_forms:
-            outstanding = 0
-            for running in self.running:
-                held = sum(1 for b in running.seq.tables[form] if b != SENTINEL_BLOCK) if running.seq is not None else 0
-                outstanding += max(1, self._pages_needed(running, form) - held)
-            available = form.pool.num_blocks - 1 - form.pool.num_leased - outstanding
-            if self._pages_needed(r, form) > available:
-                return False
-        return True
-
     def _allocate(self, work: list[tuple[RuntimeRequest, int]]) -> list[tuple[RuntimeRequest, int, int, Tensor]]:
         """``begin_chunk`` for every piece of work, preempting the newest running request when a
         pool is exhausted; returns (request, start, end, positions) for what will run."""
@@ -344,12 +358,13 @@ class Runtime:
             assert r.first_admission is not None
             r.report = self.lifecycle.report(r.first_admission)
 
-    def _sample(self, r: RuntimeRequest, row: Tensor) -> None:
+    def _take(self, r: RuntimeRequest, token: int | None, row: Tensor) -> None:
+        """Append ``r``'s sampled ``token`` (None: it had nothing left to generate) from the
+        logits ``row``, and finish it on a stop token or at ``max_tokens``."""
         params = r.params
-        if len(r.output_token_ids) >= params.max_tokens:  # max_tokens = 0: a prefill only
+        if token is None:
             self._finish(r, FinishReason.LENGTH)
             return
-        token = r.sampler(row)
         r.output_token_ids.append(token)
         if r.keep_logits:
             r.sampled_logits.append(row.clone())
@@ -381,3 +396,4 @@ class Runtime:
         self.lifecycle.check_cache()
         if r.on_finish is not None:
             r.on_finish(r)
+
