@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens computed per engine step (default: %(default)s)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     srv.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs (default: captured on CUDA when the model allows)")
+    srv.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="ranks the model is sharded over, one process each (CPU: gloo) (default: %(default)s)")
+    srv.add_argument("--check-invariants", action="store_true", help="check the prefix cache's invariants after every step on every rank (slow; for tests) (default: off)")
 
     bench = sub.add_parser("bench", parents=[verbose], help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -159,7 +159,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.agent and args.telemetry_spool_dir is not None:
             drain_earlier_spools(args.telemetry_spool_dir, args.agent, current_engine_id=engine_id)
             telemetry = TelemetryClient(args.agent, engine_id, spool_path=args.telemetry_spool_dir / f"{engine_id}.spool")
-        llm = LLM(args.model, device=args.device, cache=cache_budget(args), telemetry=telemetry, engine_id=engine_id, dtype=args.dtype)
+        llm = LLM(
+            args.model, device=args.device, cache=cache_budget(args), telemetry=telemetry, engine_id=engine_id, dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size, check_invariants=args.check_invariants,
+        )  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from None
     try:

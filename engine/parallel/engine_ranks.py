@@ -10,6 +10,7 @@ their pools, so ranks that would hold different block geometries never serve.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,14 @@ class EngineRanks:
 
     group: TensorParallelGroup
     workers: RankProcesses | None
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per rank: ``rank``, ``pid`` and whether its process is ``alive`` (rank 0: this
+        process; a worker's only as rank 0 sees it)."""
+        out: list[dict[str, Any]] = [{"rank": self.group.rank, "pid": os.getpid(), "alive": True}]
+        if self.workers is not None:
+            out += [{"rank": rank, "pid": proc.pid, "alive": proc.is_alive()} for rank, proc, _ in self.workers.processes]
+        return out
 
     def close(self) -> None:
         """Stop the workers (rank 0), then leave the group."""

@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.parallel.group import RankFailed
 from engine.runtime.engine_loop import EngineLoop, Failed, Finished, Token
 from engine.runtime.openai_api import (
     CHAT_END,
@@ -124,9 +125,16 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        ranks = [] if llm.ranks is None else llm.ranks.status()
+        dead = [r["rank"] for r in ranks if not r["alive"]]
+        failed = loop.error.rank if isinstance(loop.error, RankFailed) else None
+        if dead or failed is not None:
+            rank = dead[0] if dead else failed
+            detail = repr(loop.error) if loop.error is not None else f"tensor-parallel rank {rank} exited"
+            return JSONResponse(status_code=503, content={"status": "rank failed", "rank": rank, "error": detail, "ranks": ranks})
         if not loop.alive:
             return JSONResponse(status_code=503, content={"status": "engine stopped", "error": repr(loop.error)})
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **({"ranks": ranks} if ranks else {})})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -249,6 +257,8 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
                             if isinstance(update.error, ValueError):
                                 counted = True  # refused, never ran
                                 raise APIError(400, str(update.error))
+                            if isinstance(update.error, RankFailed) or isinstance(loop.error, RankFailed):
+                                raise APIError(503, f"the engine lost a tensor-parallel rank: {loop.error or update.error}", type="service_unavailable")
                             raise APIError(500, f"the engine failed: {update.error!r}", type="internal_error")
             finally:
                 if not counted:  # a client gone (or an engine failure) before the end
