@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from agent.bulk_histogram import bucket_counts
 from agent.ingest import RECOVERING_OUTCOMES, RECOVERY_BUCKETS
-from engine.events import Outcome
+from engine.events import Outcome, Reason
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds (seconds) of ``kvscope_request_ttft_seconds``."""
@@ -34,13 +34,16 @@ class BatchSummary:
     token sums; ``invalidations``: (engine, model, form, reason) → count; ``recovery``: (engine,
     model, form, tier) → recovery-seconds bucket counts and sum (outcomes recovered/replayed);
     ``requests``: (engine, model) → count and prompt / hash-hit / recoverable / replayed /
-    recomputed token sums; ``ttft``: (engine, model) → TTFT bucket counts and sum; ``ts_micros``:
+    recomputed token sums; ``ttft``: (engine, model) → TTFT bucket counts and sum;
+    ``disagreements``: (engine, model, form, tp_rank) → lookups whose reason is ``tp_disagree``
+    (``tp_rank``: the tensor-parallel rank that held the form back); ``ts_micros``:
     every event's ``ts`` (for the ingest lag once the commit time is known). Every label tuple
     starts with (engine, model).
     """
 
     lookups: list[tuple[Labels, int, int, int, int]] = field(default_factory=list)
     invalidations: list[tuple[Labels, int]] = field(default_factory=list)
+    disagreements: list[tuple[Labels, int]] = field(default_factory=list)
     recovery: list[tuple[Labels, list[int], float]] = field(default_factory=list)
     requests: list[tuple[Labels, int, int, int, int, int, int]] = field(default_factory=list)
     ttft: list[tuple[Labels, list[int], float]] = field(default_factory=list)
@@ -76,6 +79,10 @@ def summarize_tables(tables: Mapping[str, pa.Table]) -> BatchSummary:
         keys = ["engine_id", "model", "form", "reason"]
         for row in invalidated.group_by(keys, use_threads=False).aggregate([([], "count_all")]).to_pylist():
             summary.invalidations.append((tuple(row[k] for k in keys), row["count_all"]))
+        disagreeing = lookups.filter(pc.equal(lookups["reason"], Reason.TP_DISAGREE.value))
+        keys = ["engine_id", "model", "form", "tp_rank"]
+        for row in disagreeing.group_by(keys, use_threads=False).aggregate([([], "count_all")]).to_pylist():
+            summary.disagreements.append((tuple(str(row[k]) for k in keys), row["count_all"]))
         recovering = lookups.filter(pc.is_in(lookups["outcome"], pa.array(RECOVERING_OUTCOMES)))
         summary.recovery.extend(
             _histogram_groups(recovering, ("engine_id", "model", "form", "tier"), "recovery_seconds", RECOVERY_BUCKETS)

@@ -4,13 +4,14 @@ Every metric lives on the :class:`AgentMetrics` instance's own ``CollectorRegist
 process-global one), so two agents — or two tests — in one process never share a counter.
 
 Naming: prefix ``kvscope_``, base units, ``_total`` on counters. Labels come only from
-{engine, model, form, tier, outcome, reason} plus ``status``/``kind`` on the ingest counters
+{engine, model, form, tier, outcome, reason, tp_rank} plus ``status``/``kind`` on the ingest counters
 and ``label`` on the folded-values counter; never request ids. Counters are cumulative since the agent started; consumers compute rates.
 They are incremented only after a batch's transaction committed (:meth:`observe_ingest`), so a
 rejected or rolled-back batch never moves an event counter.
 
 ``kvscope_invalidations_total`` counts lookups whose outcome is ``invalidated`` (present by hash,
-unusable), by reason; misses and the recovered/replayed outcomes are visible in
+unusable), by reason; ``kvscope_tp_disagreements_total{form, tp_rank}`` those whose reason is
+``tp_disagree``, by the tensor-parallel rank that held the form back (at most N values); misses and the recovered/replayed outcomes are visible in
 ``kvscope_cache_lookups_total{outcome}``.
 
 Histograms fed from whole flushes (thousands of events at once) are :class:`BulkHistogram`
@@ -168,6 +169,12 @@ class AgentMetrics:
             ("engine", "model", "form", "reason"),
             registry=r,
         )
+        self.tp_disagreements = Counter(
+            "kvscope_tp_disagreements_total",
+            "Lookups where another tensor-parallel rank held the form back (reason tp_disagree), by that rank.",
+            ("engine", "model", "form", "tp_rank"),
+            registry=r,
+        )
         request_labels = ("engine", "model")
         self.requests = Counter(
             "kvscope_requests_total", "Finished requests.", request_labels, registry=r
@@ -272,6 +279,7 @@ class AgentMetrics:
             self.lookup_usable_tokens,
             self.lookup_recoverable_tokens,
             self.invalidations,
+            self.tp_disagreements,
             self.requests,
             self.prompt_tokens,
             self.hash_hit_tokens,
@@ -343,6 +351,8 @@ class AgentMetrics:
                 counter.labels(*labels).inc(value)
         for labels, (count,) in fold.sums(summary.invalidations).items():
             self.invalidations.labels(*labels).inc(count)
+        for labels, (count,) in fold.sums(summary.disagreements).items():
+            self.tp_disagreements.labels(*labels).inc(count)
         for labels, (counts, total) in fold.histograms(summary.recovery).items():
             self.recovery_seconds.add_counts(labels, counts, total)
         request_counters = (

@@ -297,6 +297,28 @@ FORM_TIMESERIES = NamedQuery(
     columns=("bucket", "form", "tier", "outcome", "reason", "lookups", "hash_hit_tokens", "recoverable_tokens", *_LE_COLUMNS),
 )
 
+RANK_DISAGREEMENTS = NamedQuery(
+    name="rank_disagreements",
+    description=(
+        "Per form and tensor-parallel rank over the window, from the raw lookups: lookups another "
+        "rank held back (reason tp_disagree, tp_rank = that rank), the tokens they lost (hash hit "
+        "minus recoverable), the requests involved and the last time it happened."
+    ),
+    sql=f"""
+    SELECT form, tp_rank,
+           count(*)::BIGINT AS lookups,
+           sum(hash_hit_tokens - recoverable_tokens)::BIGINT AS tokens_lost,
+           count(DISTINCT request_id)::BIGINT AS requests,
+           max(ts) AS last_seen
+    FROM cache_lookups
+    WHERE ts >= $now - to_seconds($since_seconds::BIGINT) AND reason = 'tp_disagree' AND {FILTER_SQL.format(t="")}
+    GROUP BY form, tp_rank
+    ORDER BY tokens_lost DESC, form, tp_rank
+    """,
+    params=(SINCE_PARAM, engine_param(), MODEL_PARAM),
+    columns=("form", "tp_rank", "lookups", "tokens_lost", "requests", "last_seen"),
+)
+
 LIMITING_FORMS = NamedQuery(
     name="limiting_forms",
     description=(

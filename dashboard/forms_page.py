@@ -8,7 +8,9 @@ From the ``cache_minute`` rollup (``form_timeseries``, whole minutes) and ``limi
   Prometheus's ``histogram_quantile`` does (:func:`alerts.rule_eval.histogram_quantile`), and the
   same buckets as a heatmap (recoveries per latency band per time bucket);
 * the tier split (device / host / disk): lookups and recoverable tokens;
-* how often this form set the resume point L* (its share of requests, per bucket).
+* how often this form set the resume point L* (its share of requests, per bucket);
+* tensor-parallel rank disagreements (``rank_disagreements``): for this form, which rank held
+  it back (``tp_disagree``), how often and how many tokens it cost — shown only when some did.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def render() -> None:
     try:
         rows = query(client, "form_timeseries", form=form, **params)
         limiting = query(client, "limiting_forms", **filters.params())
+        window = {k: v for k, v in filters.params().items() if k != "bucket_seconds"}
+        ranks = query(client, "rank_disagreements", **window)
     except AgentError as exc:
         st.error(str(exc))
         return
@@ -61,6 +65,7 @@ def render() -> None:
     latency_panel(rows)
     tiers_panel(rows)
     limiting_panel(limiting, form)
+    ranks_panel(ranks, form)
     requests_link(filters, f"The requests {form} limited in this window", form=form)
 
 
@@ -179,3 +184,16 @@ def limiting_panel(limiting: pd.DataFrame, form: str) -> None:
         alt.Chart(share).mark_line(point=True).encode(x=time_x(), y=alt.Y("share:Q", axis=alt.Axis(format="%"))),
         width="stretch",
     )
+
+
+def ranks_panel(ranks: pd.DataFrame, form: str) -> None:
+    """Which tensor-parallel rank held ``form`` back (nothing when no rank did)."""
+    mine = ranks[ranks["form"] == form] if not ranks.empty else ranks
+    if mine.empty:
+        return
+    st.subheader("Tensor-parallel rank disagreements")
+    st.caption(
+        f"Lookups where another rank's shard of {form} could not serve the point rank 0's could "
+        "(reason tp_disagree); the rank named held every rank back to its point."
+    )
+    st.dataframe(mine[["tp_rank", "lookups", "tokens_lost", "requests", "last_seen"]], hide_index=True)

@@ -116,3 +116,21 @@ def test_ratio_gauge_replaces_its_series(metrics: AgentMetrics, client: TestClie
     metrics.set_recoverable_hit_ratios({("e1", "m1"): (250.0, 1000.0)})
     gauge = {k: v for k, v in samples(client).items() if k[0] == "kvscope_recoverable_hit_ratio"}
     assert gauge == {("kvscope_recoverable_hit_ratio", lbl(**EM)): 0.25}
+
+
+def test_tensor_parallel_disagreements_are_counted_by_the_vetoing_rank(client: TestClient, base: int) -> None:
+    from agent_testdata import lookup_event
+
+    lost = {"outcome": "invalidated", "reason": "tp_disagree", "hash_hit_tokens": 96, "usable_tokens": 96, "recoverable_tokens": 48}
+    events = [
+        lookup_event(base + 1, "r1", form="linear_state", tp_rank=1, **lost),
+        lookup_event(base + 2, "r2", form="linear_state", tp_rank=1, **lost),
+        lookup_event(base + 3, "r3", form="full_kv", tp_rank=3, **lost),
+        lookup_event(base + 4, "r4", form="full_kv", outcome="invalidated", reason="kv_evicted", hash_hit_tokens=96, usable_tokens=32, recoverable_tokens=32),
+    ]
+    assert client.post("/v1/events", content=json_body(batch(1, events)), headers=JSON).json()["status"] == "stored"
+    counted = {k: v for k, v in samples(client).items() if k[0] == "kvscope_tp_disagreements_total"}
+    assert counted == {
+        ("kvscope_tp_disagreements_total", lbl(**EM, form="linear_state", tp_rank="1")): 2.0,
+        ("kvscope_tp_disagreements_total", lbl(**EM, form="full_kv", tp_rank="3")): 1.0,
+    }

@@ -99,3 +99,24 @@ def test_a_form_without_lookups(agent: RunningAgent, monkeypatch: pytest.MonkeyP
     at.selectbox(key="forms_form").set_value("linear_state").run()
     assert not at.exception
     assert at.info[0].value.startswith("No linear_state lookups in this window yet")
+
+
+def test_rank_disagreements_name_the_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lookups another tensor-parallel rank held back show which rank, how often, and the tokens
+    lost, on the form's page only."""
+    held = {"outcome": "invalidated", "reason": "tp_disagree", "hash_hit_tokens": 96, "usable_tokens": 32, "recoverable_tokens": 32}
+    events = [
+        lookup(M0 + 1, 1, "hit", "none"),
+        {**lookup(M0 + 2, 2, "invalidated", "tp_disagree"), **held, "tp_rank": 1},
+        {**lookup(M0 + 3, 3, "invalidated", "tp_disagree"), **held, "tp_rank": 1},
+        {**lookup(M0 + 4, 4, "invalidated", "tp_disagree"), **held, "tp_rank": 1, "form": "linear_state"},
+    ]
+    with running_agent(tmp_path) as running:
+        body = {"schema_version": 1, "engine_id": "e1", "seq": 0, "sent_at": M0, "events": events}
+        assert httpx.post(f"{running.url}/v1/events", json=body, timeout=10).json()["status"] == "stored"
+        assert fold_cache_minute(running.store) > 0
+        at = page(running, monkeypatch, form="swa_window")
+        assert not at.exception and not at.error, [e.value for e in at.error]
+        assert at.subheader[-1].value == "Tensor-parallel rank disagreements"
+        table = at.dataframe[-1].value
+        assert table[["tp_rank", "lookups", "tokens_lost", "requests"]].values.tolist() == [[1, 2, 128, 2]]
