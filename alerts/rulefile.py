@@ -42,347 +42,43 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from agent import queries, sql
 from agent.config import read_yaml
-from agent.ingest import RECOVERY_BUCKETS
 from alerts import strict
+from alerts.durations import MAX_DURATION_SECONDS as MAX_DURATION_SECONDS
+from alerts.durations import MIN_GROUP_INTERVAL_SECONDS as MIN_GROUP_INTERVAL_SECONDS
+from alerts.durations import SEVERITIES as SEVERITIES
+from alerts.durations import parse_duration as parse_duration
+from alerts.rule_kinds import DEFAULT_BURN_WINDOWS as DEFAULT_BURN_WINDOWS
+from alerts.rule_kinds import KINDS as KINDS
+from alerts.rule_kinds import BurnWindow as BurnWindow
+from alerts.rule_kinds import HitRateBelow as HitRateBelow
+from alerts.rule_kinds import HitRateDrop as HitRateDrop
+from alerts.rule_kinds import InvalidationSpike as InvalidationSpike
+from alerts.rule_kinds import KindSettings as KindSettings
+from alerts.rule_kinds import RecoveryLatencyHigh as RecoveryLatencyHigh
+from alerts.rule_kinds import SilentFor as SilentFor
+from alerts.templates import PIPES as PIPES
+from alerts.templates import check_template as check_template
+from alerts.templates import format_value as format_value
+from alerts.templates import humanize as humanize
+from alerts.templates import humanize_duration as humanize_duration
+from alerts.templates import render_template as render_template
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.yaml")
 """The rule file that ships with kvscope."""
 
-SEVERITIES = ("page", "ticket", "info")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 ALERT_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-_DURATION = re.compile(
-    r"(?:([0-9]+)y)?(?:([0-9]+)w)?(?:([0-9]+)d)?(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?(?:([0-9]+)ms)?"
-)
-MIN_GROUP_INTERVAL_SECONDS = 0.1
-"""Shortest rule-group interval (each evaluation queries the store)."""
-MAX_DURATION_SECONDS = 100 * 365 * 86400
-"""Longest accepted duration (Prometheus's limit is about 292 years)."""
-_DURATION_UNITS = (365 * 86400, 7 * 86400, 86400, 3600, 60, 1, 0.001)
 
 
 class RuleFileError(ValueError):
     """A rule file that cannot be used; the message names the file, group, rule and field."""
-
-
-def parse_duration(text: object) -> float:
-    """A Prometheus duration (``1h30m``, ``90s``, ``500ms``; ``0``) in seconds.
-
-    Raises:
-        ValueError: not a duration, or longer than :data:`MAX_DURATION_SECONDS`.
-    """
-    if text == 0 and not isinstance(text, bool):
-        return 0.0
-    if not isinstance(text, str):
-        raise ValueError(f"expected a duration such as 5m, got {type(text).__name__} {text!r}")
-    if text == "0":
-        return 0.0
-    match = _DURATION.fullmatch(text)
-    if not text or match is None or not any(match.groups()):
-        raise ValueError(f"{text!r} is not a duration (use units ms, s, m, h, d, w, y, e.g. 1h30m)")
-    seconds = sum(int(g) * unit for g, unit in zip(match.groups(), _DURATION_UNITS, strict=True) if g)
-    if seconds > MAX_DURATION_SECONDS:
-        raise ValueError(f"{text!r} is longer than 100 years")
-    return float(seconds)
-
-
-# -- templates ---------------------------------------------------------------------------------
-_TEMPLATE_PART = re.compile(r"\{\{(.*?)\}\}", re.S)
-_EXPRESSION = re.compile(r"\s*\$(value|labels\.([a-zA-Z_][a-zA-Z0-9_]*))\s*(?:\|\s*([a-zA-Z]+)\s*)?")
-def format_value(value: float) -> str:
-    """``$value`` as Prometheus prints a float (Go's shortest ``%g``): the fewest digits that
-    read back exactly, in exponent form when the exponent is below −4 or at least 6
-    (123456789 → ``1.23456789e+08``, 0.5 → ``0.5``)."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value == 0:
-        return "0"
-    for digits in range(1, 18):
-        scientific = f"{value:.{digits - 1}e}"
-        if float(scientific) == value:
-            break
-    mantissa, _, exponent_text = scientific.partition("e")
-    exponent = int(exponent_text)
-    if exponent < -4 or exponent >= 6:
-        if "." in mantissa:
-            mantissa = mantissa.rstrip("0").rstrip(".")
-        return f"{mantissa}e{'-' if exponent < 0 else '+'}{abs(exponent):02d}"
-    return f"{value:.{max(digits - 1 - exponent, 0)}f}"
-
-
-def humanize(value: float) -> str:
-    """Prometheus's ``humanize``: SI prefixes, four significant digits (12345 → 12.35k)."""
-    if value == 0 or not math.isfinite(value):
-        return f"{value:.4g}"
-    prefix = ""
-    if abs(value) >= 1:
-        for symbol in ("k", "M", "G", "T", "P", "E", "Z", "Y"):
-            if abs(value) < 1000:
-                break
-            prefix, value = symbol, value / 1000
-    else:
-        for symbol in ("m", "u", "n", "p", "f", "a", "z", "y"):
-            if abs(value) >= 1:
-                break
-            prefix, value = symbol, value * 1000
-    return f"{value:.4g}{prefix}"
-
-
-def humanize_duration(value: float) -> str:
-    """Prometheus's ``humanizeDuration``: 5400 → ``1h 30m 0s``, 0.875 → ``875ms``."""
-    if not math.isfinite(value):
-        return f"{value:.4g}"
-    sign = "-" if value < 0 else ""
-    value = abs(value)
-    if value == 0:
-        return "0s"
-    if value >= 1:
-        seconds = int(value)
-        days, hours = seconds // 86400, seconds // 3600 % 24
-        minutes, rest = seconds // 60 % 60, seconds % 60
-        if days:
-            return f"{sign}{days}d {hours}h {minutes}m {rest}s"
-        if hours:
-            return f"{sign}{hours}h {minutes}m {rest}s"
-        if minutes:
-            return f"{sign}{minutes}m {rest}s"
-        return f"{sign}{value:.4g}s"
-    prefix = ""
-    for symbol in ("m", "u", "n", "p", "f", "a", "z", "y"):
-        if value >= 1:
-            break
-        prefix, value = symbol, value * 1000
-    return f"{sign}{value:.4g}{prefix}s"
-
-
-PIPES: dict[str, Callable[[float], str]] = {
-    "humanize": humanize,
-    "humanizePercentage": lambda v: f"{v * 100:.4g}%",
-    "humanizeDuration": humanize_duration,
-}
-"""Template pipes, as Prometheus's template functions of the same names format values."""
-
-
-def check_template(text: str) -> None:
-    """Raise ValueError naming the first ``{{ ... }}`` this template language does not know."""
-    for match in _TEMPLATE_PART.finditer(text):
-        expression = _EXPRESSION.fullmatch(match.group(1))
-        if expression is None:
-            raise ValueError(
-                f"unsupported template {match.group(0)!r}: use {{{{ $value }}}}, "
-                f"{{{{ $labels.NAME }}}} and the pipes {', '.join(PIPES)}"
-            )
-        pipe = expression.group(3)
-        if pipe is not None and pipe not in PIPES:
-            raise ValueError(f"unknown template pipe {pipe!r} in {match.group(0)!r}; known: {', '.join(PIPES)}")
-        if pipe is not None and expression.group(2) is not None:
-            raise ValueError(f"pipe {pipe!r} applies to $value only, not to labels, in {match.group(0)!r}")
-    if "{{" in _TEMPLATE_PART.sub("", text) or "}}" in _TEMPLATE_PART.sub("", text):
-        raise ValueError(f"unbalanced braces in template {text!r}")
-
-
-def render_template(text: str, labels: Mapping[str, str], value: float | None) -> str:
-    """Fill a checked template: ``$labels.NAME`` (empty when absent) and ``$value`` (``no
-    data`` when None)."""
-
-    def fill(match: re.Match[str]) -> str:
-        expression = _EXPRESSION.fullmatch(match.group(1))
-        assert expression is not None, "templates are checked at load"
-        if expression.group(2) is not None:
-            return labels.get(expression.group(2), "")
-        if value is None:
-            return "no data"
-        pipe = expression.group(3)
-        return PIPES[pipe](value) if pipe else format_value(value)
-
-    return _TEMPLATE_PART.sub(fill, text)
-
-
-# -- rule kinds --------------------------------------------------------------------------------
-def _duration_field(default: str) -> Any:
-    return field(default=parse_duration(default), metadata={"duration": True})
-
-
-def _ratio(name: str, value: float, *, open_low: bool = False) -> None:
-    if not (0.0 < value <= 1.0 if open_low else 0.0 <= value <= 1.0):
-        raise ValueError(f"{name} must be a ratio in {'(0' if open_low else '[0'}, 1], got {value}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HitRateDrop:
-    """``recoverable_hit_rate_drop``: the recoverable hit rate (Σ recoverable / Σ prompt tokens)
-    over ``window`` against a baseline (the ``baseline_window`` before it, or the same window a
-    day earlier). Fires when it fell by at least ``fire_relative_drop`` of the baseline **and**
-    ``fire_absolute_drop``; clears only when the drop is back within the (smaller) clear
-    thresholds — hysteresis, so a series near the edge does not flap. Below
-    ``min_prompt_tokens`` in either window a series has no data (never 0%)."""
-
-    window: float = _duration_field("5m")
-    baseline: Literal["trailing", "yesterday"] = "trailing"
-    baseline_window: float = _duration_field("1h")
-    fire_relative_drop: float = 0.3
-    fire_absolute_drop: float = 0.1
-    clear_relative_drop: float = 0.15
-    clear_absolute_drop: float = 0.05
-    min_prompt_tokens: int = 10_000
-
-    def __post_init__(self) -> None:
-        if self.baseline not in ("trailing", "yesterday"):
-            raise ValueError(f"baseline must be trailing or yesterday, got {self.baseline!r}")
-        for name in ("fire_relative_drop", "fire_absolute_drop", "clear_relative_drop", "clear_absolute_drop"):
-            _ratio(name, getattr(self, name))
-        if self.clear_relative_drop > self.fire_relative_drop or self.clear_absolute_drop > self.fire_absolute_drop:
-            raise ValueError("clear thresholds must not exceed fire thresholds (hysteresis)")
-        if self.window <= 0 or self.baseline_window <= 0:
-            raise ValueError("window and baseline_window must be positive")
-        if self.min_prompt_tokens < 1:
-            raise ValueError(f"min_prompt_tokens must be >= 1, got {self.min_prompt_tokens}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BurnWindow:
-    """One multiwindow burn-rate condition: both windows burn the error budget at least
-    ``burn_rate`` times as fast as the objective allows."""
-
-    long: float
-    short: float
-    burn_rate: float
-    severity: str
-
-    @property
-    def label(self) -> str:
-        """The ``window`` label of its alerts: ``1h/5m``."""
-        return f"{_compact(self.long)}/{_compact(self.short)}"
-
-    def __post_init__(self) -> None:
-        if not 0 < self.short < self.long:
-            raise ValueError(f"need 0 < short < long, got short {self.short} s, long {self.long} s")
-        if not (self.burn_rate > 0 and math.isfinite(self.burn_rate)):
-            raise ValueError(f"burn_rate must be a finite number > 0, got {self.burn_rate}")
-        if self.severity not in SEVERITIES:
-            raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, got {self.severity!r}")
-
-
-def _compact(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
-
-
-DEFAULT_BURN_WINDOWS = (
-    BurnWindow(long=3600, short=300, burn_rate=14.4, severity="page"),
-    BurnWindow(long=6 * 3600, short=1800, burn_rate=6.0, severity="page"),
-    BurnWindow(long=3 * 86400, short=6 * 3600, burn_rate=1.0, severity="ticket"),
-)
-"""The SRE workbook's multiwindow, multi-burn-rate set for a 30-day objective."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HitRateBelow:
-    """``recoverable_hit_rate_below``: an SLO that the recoverable hit rate stays at or above
-    ``objective``. The error ratio is the share of prompt tokens *not* recoverable; its burn rate
-    is that over (1 − objective). Each of ``windows`` fires (with its severity) when both its
-    long and short window burn at least its rate (Google SRE workbook, "Alerting on SLOs")."""
-
-    objective: float = 0.95
-    windows: tuple[BurnWindow, ...] = DEFAULT_BURN_WINDOWS
-    min_prompt_tokens: int = 1000
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.objective < 1.0:
-            raise ValueError(f"objective must be a ratio in (0, 1), got {self.objective}")
-        if not self.windows:
-            raise ValueError("windows must not be empty")
-        for window in self.windows:
-            if window.burn_rate * (1.0 - self.objective) > 1.0:
-                raise ValueError(
-                    f"burn rate {window.burn_rate:g} can never be reached with objective {self.objective:g} "
-                    f"(the highest possible burn rate is {1 / (1 - self.objective):.4g}); raise the objective"
-                )
-        identities = [(w.long, w.short, w.severity) for w in self.windows]
-        if len(set(identities)) != len(identities):
-            raise ValueError("burn windows must differ in long, short or severity")
-        if self.min_prompt_tokens < 1:
-            raise ValueError(f"min_prompt_tokens must be >= 1, got {self.min_prompt_tokens}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class InvalidationSpike:
-    """``form_invalidation_spike``: per (engine, form, reason), the reason's share of the form's
-    lookups over ``window`` rose by at least ``min_share_increase`` (absolute) over its share in
-    the ``baseline_window`` before, with at least ``min_lookups`` lookups in the window."""
-
-    window: float = _duration_field("5m")
-    baseline_window: float = _duration_field("1h")
-    min_share_increase: float = 0.2
-    min_lookups: int = 100
-
-    def __post_init__(self) -> None:
-        _ratio("min_share_increase", self.min_share_increase, open_low=True)
-        if self.window <= 0 or self.baseline_window <= 0:
-            raise ValueError("window and baseline_window must be positive")
-        if self.min_lookups < 1:
-            raise ValueError(f"min_lookups must be >= 1, got {self.min_lookups}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RecoveryLatencyHigh:
-    """``recovery_latency_high``: per (engine, form, tier), the ``quantile`` of recovery seconds
-    over ``window`` (from the ``cache_minute`` buckets) above ``threshold``, with at least
-    ``min_recoveries`` recoveries."""
-
-    quantile: float = 0.95
-    threshold: float = _duration_field("500ms")
-    window: float = _duration_field("5m")
-    min_recoveries: int = 20
-
-    def __post_init__(self) -> None:
-        _ratio("quantile", self.quantile, open_low=True)
-        if self.threshold <= 0 or self.window <= 0:
-            raise ValueError("threshold and window must be positive")
-        if self.threshold >= RECOVERY_BUCKETS[-1]:
-            raise ValueError(
-                f"threshold must be below the highest recovery-latency bucket ({RECOVERY_BUCKETS[-1]:g} s): "
-                "a quantile above it cannot be estimated"
-            )
-        if self.min_recoveries < 1:
-            raise ValueError(f"min_recoveries must be >= 1, got {self.min_recoveries}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SilentFor:
-    """``ingest_stalled`` (no batch from any engine) / ``engine_silent`` (no event from an engine
-    seen within ``lookback``) for ``silent_for``."""
-
-    silent_for: float = _duration_field("5m")
-    lookback: float = _duration_field("1h")
-
-    def __post_init__(self) -> None:
-        if not 0 < self.silent_for < self.lookback:
-            raise ValueError("need 0 < silent_for < lookback")
-
-
-KINDS: dict[str, type] = {
-    "recoverable_hit_rate_drop": HitRateDrop,
-    "recoverable_hit_rate_below": HitRateBelow,
-    "form_invalidation_spike": InvalidationSpike,
-    "recovery_latency_high": RecoveryLatencyHigh,
-    "ingest_stalled": SilentFor,
-    "engine_silent": SilentFor,
-}
-"""Built-in rule kinds → their settings."""
-
-KindSettings = HitRateDrop | HitRateBelow | InvalidationSpike | RecoveryLatencyHigh | SilentFor
 
 
 @dataclass(frozen=True, slots=True)
