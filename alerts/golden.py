@@ -105,6 +105,7 @@ def _lookup_event(at: float, labels: Mapping[str, str], request_id: str, recover
         "model": labels["model"], "form": labels["form"], "tier": labels["tier"], "outcome": labels["outcome"],
         "reason": labels["reason"], "hash_hit_tokens": 16, "usable_tokens": 16,
         "recoverable_tokens": 0 if labels["outcome"] == "invalidated" else 16, "recovery_seconds": recovery,
+        "tp_rank": int(labels.get("tp_rank", "0")),
     }  # fmt: skip
 
 

@@ -98,6 +98,8 @@ class SeriesFile:
 
 _REQUEST_LABELS = {"engine", "model"}
 _LOOKUP_LABELS = {"engine", "model", "form", "tier", "outcome", "reason"}
+_OPTIONAL_LABELS = {"requests": set(), "lookups": {"tp_rank"}}
+"""Labels a series may add (a lookup's tensor-parallel rank, 0 when absent)."""
 _KINDS = {
     "requests": (_REQUEST_LABELS, {"prompt_tokens", "recoverable_tokens"}, {"prompt_tokens", "recoverable_tokens"}),
     "lookups": (_LOOKUP_LABELS, {"count", "recovery_seconds"}, {"count"}),
@@ -143,8 +145,12 @@ def parse_series(raw: object, *, source: str = "<series>") -> SeriesFile:
         label_names, value_names, required = _KINDS[kind]
         doc = _mapping(item, where, {kind, "step", *value_names}, required)
         labels = doc[kind]
-        if not isinstance(labels, dict) or set(labels) != label_names or not all(isinstance(v, str) and v for v in labels.values()):
-            raise GoldenError(f"{where}: field {kind}: needs exactly the labels {', '.join(sorted(label_names))} (non-empty strings)")
+        optional = _OPTIONAL_LABELS[kind]
+        if not isinstance(labels, dict) or not label_names <= set(labels) <= label_names | optional or not all(isinstance(v, str) and v for v in labels.values()):
+            also = f", optionally {', '.join(sorted(optional))}" if optional else ""
+            raise GoldenError(f"{where}: field {kind}: needs exactly the labels {', '.join(sorted(label_names))}{also} (non-empty strings)")
+        if "tp_rank" in labels and not labels["tp_rank"].isdigit():
+            raise GoldenError(f"{where}: field {kind}: tp_rank must be a rank number, got {labels['tp_rank']!r}")
         step = _duration(doc, "step", where, default=None) if "step" in doc else interval
         if step <= 0:
             raise GoldenError(f"{where}: field step: must be positive")

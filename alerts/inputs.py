@@ -8,6 +8,8 @@ Windows end at ``now − lag`` (late events are allowed for by the ingest lag) a
   Σ prompt tokens over the window, and over the baseline (the ``baseline_window`` before it, or
   the same window 24 h earlier);
 * ``recoverable_hit_rate_below`` — the same sums over each burn window's long and short window;
+* ``tp_rank_disagreement`` — per (engine, form, tp_rank) from ``cache_lookups``: the window's
+  ``tp_disagree`` lookups (0 for a series seen in the hour before, so its alert can resolve);
 * ``form_invalidation_spike`` — per (engine, form, reason) from ``cache_lookups``: the reason's
   invalidated lookups and the form's lookups, in the window and in the baseline before it;
 * ``recovery_latency_high`` — per (engine, form, tier) from the ``cache_minute`` rollup (the
@@ -47,6 +49,7 @@ from agent.migrations import bucket_column
 from agent.store import Store, to_timestamp
 from alerts.rule_eval import (
     BurnInput,
+    CountInput,
     Data,
     DropInput,
     LatencyInput,
@@ -60,12 +63,14 @@ from alerts.rulefile import (
     HitRateDrop,
     InvalidationSpike,
     NamedQueryExpr,
+    RankDisagreement,
     RecoveryLatencyHigh,
     Rule,
     SilentFor,
 )
 
 DAY = 86_400.0
+HOUR = 3_600.0
 
 
 class ExprError(ValueError):
@@ -157,6 +162,8 @@ def collect_inputs(
             }
         elif isinstance(settings, InvalidationSpike):
             data[rule.alert] = _shares(store, end - settings.window, end, settings.baseline_window)
+        elif isinstance(settings, RankDisagreement):
+            data[rule.alert] = _disagreements(store, end - settings.window, end)
         elif isinstance(settings, RecoveryLatencyHigh):
             data[rule.alert] = _latency(store, end - settings.window, end)
         elif isinstance(settings, SilentFor):
@@ -213,6 +220,21 @@ def _shares(store: Store, start: float, end: float, baseline_window: float) -> d
         _key(engine=e, form=f, reason=reason): ShareInput(int(n), int(fn), int(bn), int(bfn))
         for e, f, reason, n, fn, bn, bfn in rows
     }
+
+
+def _disagreements(store: Store, start: float, end: float) -> dict[tuple[tuple[str, str], ...], SeriesInput]:
+    """Per (engine, form, tp_rank) with a ``tp_disagree`` lookup in the hour before ``start`` or
+    in the window: the window's count (0 once they stopped, so a firing alert resolves)."""
+    with store.cursor() as cur:
+        rows = cur.execute(
+            """
+            SELECT engine_id, form, tp_rank, (count(*) FILTER (WHERE ts >= $start))::BIGINT
+            FROM cache_lookups WHERE reason = 'tp_disagree' AND ts >= $lookback AND ts < $end
+            GROUP BY ALL
+            """,
+            {"start": to_timestamp(start), "lookback": to_timestamp(start - HOUR), "end": to_timestamp(end)},
+        ).fetchall()
+    return {_key(engine=e, form=f, tp_rank=r): CountInput(int(n)) for e, f, r, n in rows}
 
 
 def _latency(store: Store, start: float, end: float) -> dict[tuple[tuple[str, str], ...], SeriesInput]:

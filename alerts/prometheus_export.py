@@ -21,6 +21,8 @@ the short window's burn rate, the reason's share, the quantile), so the annotati
 reads the same — except for the two silence kinds, whose PromQL value is the increase (0), not
 seconds of silence.
 * ``recovery_latency_high`` — ``histogram_quantile`` over ``kvscope_recovery_seconds_bucket``.
+* ``tp_rank_disagreement`` — ``increase(kvscope_tp_disagreements_total)`` per (engine, form,
+  tp_rank) over the window, at least ``min_disagreements`` (the same count kvscope reports).
 * ``ingest_stalled`` / ``engine_silent`` — no stored batch, or no finished request of an engine,
   within ``silent_for`` (``increase(...) == 0``).
 
@@ -36,6 +38,7 @@ from alerts.rulefile import (
     HitRateBelow,
     HitRateDrop,
     InvalidationSpike,
+    RankDisagreement,
     RecoveryLatencyHigh,
     Rule,
     RuleFile,
@@ -119,6 +122,9 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
             f"\nand on (engine, form) sum by (engine, form) (increase(kvscope_cache_lookups_total[{window}])) >= {s.min_lookups}"
         )
         return [({}, expr)]
+    if isinstance(s, RankDisagreement):
+        window = duration(s.window)
+        return [({}, f'sum by (engine, form, tp_rank) (increase(kvscope_tp_disagreements_total[{window}])) >= {s.min_disagreements}')]
     if isinstance(s, RecoveryLatencyHigh):
         window = duration(s.window)
         expr = (

@@ -20,6 +20,9 @@ Per series, each kind first gives a **verdict**: active, inactive, or no data, p
 * ``form_invalidation_spike`` — value is the reason's share of the form's lookups in the window;
   active when it exceeds the baseline share by ``min_share_increase``; no data when the window
   or the baseline has fewer than ``min_lookups`` lookups.
+* ``tp_rank_disagreement`` — value is how many lookups another tensor-parallel rank held back
+  (``tp_disagree``) in the window, per (engine, form, tp_rank); active at ``min_disagreements``;
+  a series without any in the window is inactive.
 * ``recovery_latency_high`` — value is the ``quantile`` of recovery seconds estimated from
   cumulative bucket counts as Prometheus's ``histogram_quantile`` does (linear within a bucket);
   active above ``threshold``; no data below ``min_recoveries``.
@@ -50,15 +53,16 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from alerts.histogram import histogram_quantile as histogram_quantile
 from alerts.rulefile import (
     HitRateBelow,
     HitRateDrop,
     InvalidationSpike,
+    RankDisagreement,
     RecoveryLatencyHigh,
     Rule,
     SilentFor,
@@ -101,6 +105,12 @@ class ShareInput:
 
 
 @dataclass(frozen=True, slots=True)
+class CountInput:
+    count: int
+    """Events of the series in the window (``tp_rank_disagreement``: lookups held back)."""
+
+
+@dataclass(frozen=True, slots=True)
 class LatencyInput:
     bounds: tuple[float, ...]
     cumulative: tuple[int, ...]
@@ -114,7 +124,7 @@ class SilenceInput:
     """Silent for longer than the rule's lookback: gone for good, never alerting."""
 
 
-SeriesInput = DropInput | BurnInput | ShareInput | LatencyInput | SilenceInput | float | None
+SeriesInput = DropInput | BurnInput | ShareInput | CountInput | LatencyInput | SilenceInput | float | None
 """What one series brings: the kind's input, an expr rule's value, or None (no data)."""
 
 Data = Mapping[str, Mapping[Labels, SeriesInput]]
@@ -203,6 +213,8 @@ def verdict(rule: Rule, series: SeriesInput, was_active: bool) -> Verdict:
         return _drop(settings, series, was_active)
     if isinstance(settings, InvalidationSpike) and isinstance(series, ShareInput):
         return _spike(settings, series)
+    if isinstance(settings, RankDisagreement) and isinstance(series, CountInput):
+        return Verdict(series.count >= settings.min_disagreements, float(series.count))
     if isinstance(settings, RecoveryLatencyHigh) and isinstance(series, LatencyInput):
         return _latency(settings, series)
     if isinstance(settings, SilentFor) and isinstance(series, SilenceInput):
@@ -253,23 +265,6 @@ def _spike(s: InvalidationSpike, x: ShareInput) -> Verdict:
     share = x.reason_lookups / x.form_lookups
     baseline = x.baseline_reason_lookups / x.baseline_form_lookups
     return Verdict(share - baseline >= s.min_share_increase, share)
-
-
-def histogram_quantile(q: float, bounds: Sequence[float], cumulative: Sequence[int]) -> float:
-    """Prometheus's ``histogram_quantile``: the q-quantile from cumulative bucket counts (the
-    last count is the total), linear within the bucket it falls in; a quantile in the +Inf
-    bucket is the highest finite bound."""
-    cumulative = [int(c) for c in itertools.accumulate(cumulative, max)]  # as Prometheus: non-decreasing
-    total = cumulative[-1]
-    rank = q * total
-    lower_bound, lower_count = 0.0, 0
-    for bound, count in zip(bounds, cumulative, strict=False):
-        if count >= rank:
-            if count == lower_count:
-                return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
-        lower_bound, lower_count = bound, count
-    return bounds[-1]
 
 
 def _latency(s: RecoveryLatencyHigh, x: LatencyInput) -> Verdict:

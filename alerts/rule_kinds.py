@@ -176,14 +176,32 @@ class SilentFor:
             raise ValueError("need 0 < silent_for < lookback")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankDisagreement:
+    """``tp_rank_disagreement``: per (engine, form, tp_rank), the lookups another
+    tensor-parallel rank held back (reason ``tp_disagree``; ``tp_rank`` names that rank) over
+    ``window``; active at ``min_disagreements`` or more. One rank whose shard of a form keeps
+    failing (lost, corrupt, mid-swap) costs every rank that form's reuse."""
+
+    window: float = _duration_field("5m")
+    min_disagreements: int = 10
+
+    def __post_init__(self) -> None:
+        if self.window <= 0:
+            raise ValueError("window must be positive")
+        if self.min_disagreements < 1:
+            raise ValueError(f"min_disagreements must be >= 1, got {self.min_disagreements}")
+
+
 KINDS: dict[str, type] = {
     "recoverable_hit_rate_drop": HitRateDrop,
     "recoverable_hit_rate_below": HitRateBelow,
     "form_invalidation_spike": InvalidationSpike,
     "recovery_latency_high": RecoveryLatencyHigh,
+    "tp_rank_disagreement": RankDisagreement,
     "ingest_stalled": SilentFor,
     "engine_silent": SilentFor,
 }
 """Built-in rule kinds → their settings."""
 
-KindSettings = HitRateDrop | HitRateBelow | InvalidationSpike | RecoveryLatencyHigh | SilentFor
+KindSettings = HitRateDrop | HitRateBelow | InvalidationSpike | RecoveryLatencyHigh | RankDisagreement | SilentFor

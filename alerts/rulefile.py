@@ -61,6 +61,7 @@ from alerts.rule_kinds import HitRateBelow as HitRateBelow
 from alerts.rule_kinds import HitRateDrop as HitRateDrop
 from alerts.rule_kinds import InvalidationSpike as InvalidationSpike
 from alerts.rule_kinds import KindSettings as KindSettings
+from alerts.rule_kinds import RankDisagreement as RankDisagreement
 from alerts.rule_kinds import RecoveryLatencyHigh as RecoveryLatencyHigh
 from alerts.rule_kinds import SilentFor as SilentFor
 from alerts.templates import PIPES as PIPES

@@ -158,3 +158,22 @@ def test_collected_then_evaluated_fires_once(store: Store) -> None:
     assert [(n.status, n.annotations["summary"]) for n in notes] == [(Status.FIRING, "e1 at 30%")]
     state, notes = evaluate([drop], collect_inputs(store, [drop], now=NOW + 60), NOW + 60, state)
     assert notes == []
+
+
+def test_rank_disagreements_per_rank_with_zero_once_they_stopped(store: Store) -> None:
+    from alerts.rule_eval import CountInput
+
+    held = {"tp_rank": 1}
+    store_events(store, [
+        {**lookup(END - 10, "linear_state", "invalidated", "tp_disagree"), **held},
+        {**lookup(END - 20, "linear_state", "invalidated", "tp_disagree"), **held},
+        {**lookup(END - 30, "full_kv", "invalidated", "tp_disagree"), "tp_rank": 3},
+        {**lookup(END - 1000, "swa_window", "invalidated", "tp_disagree"), **held},  # before the window, within the hour
+        lookup(END - 40, "linear_state", "invalidated", "linear_checkpoint_missing"),
+    ])  # fmt: skip
+    data = collect_inputs(store, [rule(kind="tp_rank_disagreement")], now=NOW)
+    assert data == {"A": {
+        (("engine", "e1"), ("form", "linear_state"), ("tp_rank", "1")): CountInput(2),
+        (("engine", "e1"), ("form", "full_kv"), ("tp_rank", "3")): CountInput(1),
+        (("engine", "e1"), ("form", "swa_window"), ("tp_rank", "1")): CountInput(0),
+    }}  # fmt: skip

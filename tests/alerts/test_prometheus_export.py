@@ -31,10 +31,13 @@ def test_the_default_rules_export_one_rule_per_alert_and_burn_window() -> None:
         ("RecoverableHitRateSLO", "6h/30m"),
         ("RecoverableHitRateSLO", "3d/6h"),
         ("FormInvalidationSpike", None),
+        ("TensorParallelRankDisagreement", None),
         ("RecoveryLatencyHigh", None),
         ("IngestStalled", None),
         ("EngineSilent", None),
     ]
+    ranks = next(r for r in rules if r["alert"] == "TensorParallelRankDisagreement")
+    assert ranks["expr"] == "sum by (engine, form, tp_rank) (increase(kvscope_tp_disagreements_total[5m])) >= 10"
     drop = rules[0]
     assert (drop["for"], drop["keep_firing_for"], drop["labels"]) == ("2m", "5m", {"severity": "page"})
     assert "offset 5m" in drop["expr"] and "< (" in drop["expr"] and ") * 0.7" in drop["expr"]
@@ -42,7 +45,8 @@ def test_the_default_rules_export_one_rule_per_alert_and_burn_window() -> None:
     assert slo["expr"].startswith("(1 - (") and ") / 0.5 > 1.8" in slo["expr"]  # the short window's burn rate first
     assert "increase(kvscope_prompt_tokens_total[55m] offset 5m)) >= 10000" in slo["expr"]  # history before the short window
     assert rules[3]["labels"] == {"severity": "ticket", "window": "3d/6h"}
-    assert "histogram_quantile(0.95" in rules[5]["expr"] and "> 0.5" in rules[5]["expr"]
+    latency = next(r for r in rules if r["alert"] == "RecoveryLatencyHigh")
+    assert "histogram_quantile(0.95" in latency["expr"] and "> 0.5" in latency["expr"]
 
 
 def test_expr_rules_are_left_out_and_named() -> None:

@@ -217,3 +217,20 @@ def test_state_is_pruned_and_removed_rules_resolve() -> None:
     state, _ = evaluate([r], {"A": {ENGINE: drop(0.4)}}, 2000.0, state)
     state, notes = evaluate([], {}, 2060.0, state)  # the rule was removed from the file
     assert [n.status for n in notes] == [Status.RESOLVED] and state == {}
+
+
+def test_rank_disagreements_fire_at_the_minimum_and_resolve_once_they_stop() -> None:
+    from alerts.rule_eval import CountInput
+
+    r = rule(kind="tp_rank_disagreement", min_disagreements=10, **{"for": "2m", "keep_firing_for": "3m"})
+    key = (("engine", "e1"), ("form", "linear_state"), ("tp_rank", "1"))
+    series = [CountInput(3)] * 3 + [CountInput(12)] * 6 + [CountInput(0)] * 6
+    assert run(r, series, key=key) == [(5.0, "firing"), (12.0, "resolved")]
+    assert run(r, [CountInput(9)] * 10, key=key) == []  # one short of the minimum: never
+
+
+def test_rank_disagreement_settings_are_checked() -> None:
+    from alerts.rulefile import RuleFileError
+
+    with pytest.raises(RuleFileError, match="min_disagreements must be >= 1"):
+        rule(kind="tp_rank_disagreement", min_disagreements=0)
