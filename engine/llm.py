@@ -83,8 +83,8 @@ class LLM:
             state stays float32.
         tensor_parallel_size: N ranks (one process each: this one is rank 0, the others are
             spawned and stopped by :meth:`close`), each holding 1/N of the sharded weights and
-            of the sharded cache pools (:mod:`engine.parallel`; docs/tensor-parallel.md). CPU
-            (gloo) only for now, without host or disk tiers.
+            of the sharded cache pools and its own host and disk tiers (:mod:`engine.parallel`;
+            docs/tensor-parallel.md). CPU (gloo) only for now.
         tp_timeout_seconds: how long a rank waits in one collective before the engine calls a
             peer dead (:class:`~engine.parallel.group.RankFailed`).
 
@@ -120,8 +120,7 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.config = getattr(self.model, "config", None)
         """The family's config object (``HybridConfig``, ...), for callers that need it."""
-        self.tp_rank = 0 if _rank is None else _rank.rank
-        """This process's tensor-parallel rank (0: the engine's own process)."""
+        self.tp_rank = 0 if _rank is None else _rank.rank  # this process's tensor-parallel rank
         self.ranks: engine_ranks.EngineRanks | None = None
         """The tensor-parallel group (and on rank 0 its workers); None in a single process."""
         if tensor_parallel_size > 1:
@@ -131,6 +130,7 @@ class LLM:
                 tensor_parallel_size=tensor_parallel_size, tp_timeout_seconds=tp_timeout_seconds,
             )  # fmt: skip
             self.ranks = engine_ranks.start(self.model, self.device, tensor_parallel_size, tp_timeout_seconds, _rank, LLM, workers_kwargs)
+            self.cache_config = engine_ranks.rank_cache_config(self.cache_config, self.tp_rank)
         self.layout: ModelLayout = self.model.layout
         self.dtype = next(self.model.parameters()).dtype
         """The weights' dtype, also the KV pools' (``dtype`` argument, else the checkpoint's config, else float32)."""

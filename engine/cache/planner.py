@@ -157,6 +157,8 @@ class Planner:
         cold_plan = dataclasses.replace(device, resume_tokens=0, replayed_tokens=0)
         options.append((price(model, Admission.COLD, 0, prompt_tokens, {}, 0, chunks=chunks(cold_plan)), None))
         best, rejected = choose([c for c, _ in options], self.recovery)
+        if self.agreement is not None:  # priced on rank 0's measurements, but chosen once: rank 0's
+            best = options[self.agreement.from_rank0(next(i for i, (c, _) in enumerate(options) if c is best))][0]
         predicted = best.predicted_seconds if costs is not None else 0.0
         why = {c.admission: Reason.RECOVERY_CAP_REACHED if how == "cap" else Reason.ADMISSION_RECOMPUTE_CHEAPER for c, how in rejected}
 
@@ -197,14 +199,22 @@ class Planner:
         form's objects arrived intact; the verdicts are :func:`swapped_verdicts`'."""
         assert self.swap is not None
         result = self.swap.swap_in(hashes, swap, chosen.total_swap_bytes)
+        failures, agreement = result.failures, self.agreement
+        remote: dict[Form, int] = {}
+        if agreement is not None:  # a copy that failed on another rank: this rank says whose
+            remote = agreement.remote_failures(failures, [f.form for f in self.form_set.forms])
         after = self.lookup(hashes, prompt_tokens, vetoes, output_tokens=output_tokens, replay=False, hit_tokens=device.hash_hit_tokens)
+        if agreement is not None:
+            agreement.vetoers |= remote
+            failures = dict.fromkeys(remote, Reason.TP_DISAGREE) | dict(failures)
         left: list[Form] = []
         linear = self.form_set.linear
         if linear is not None:  # its reason does not say whether the missing checkpoint was ever taken
             target = min(device.hash_hit_tokens, resume_limit(prompt_tokens, self.form_set.unit_tokens))
             if linear.left_device_between(hashes, swap.plan.form(Form.LINEAR_STATE).usable_tokens, target):
                 left.append(Form.LINEAR_STATE)
-        return swapped_verdicts(after, swap.plan, device, result.moved, result.failures, self.form_set.missing_reasons(), left)
+        plan = swapped_verdicts(after, swap.plan, device, result.moved, failures, self.form_set.missing_reasons(), left)
+        return plan if agreement is None else agreement.annotate(plan)
 
     def prefetch(self, hashes: Sequence[BlockHash], prompt_tokens: int) -> int:
         """Start swapping in, without waiting, what a request with this prompt would need from

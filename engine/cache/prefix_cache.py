@@ -137,6 +137,8 @@ class PrefixCache:
     @agreement.setter
     def agreement(self, agreement: RankAgreement | None) -> None:
         self.planner.agreement = agreement
+        if self.swap is not None:
+            self.swap.agreement = agreement
 
     @property
     def budget(self) -> tuple[int, int] | None:

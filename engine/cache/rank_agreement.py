@@ -15,7 +15,9 @@ exchange what they found and every rank continues with the minimum:
    over ranks. Every decision of the lookup depends only on these agreed values, so every rank
    reaches the same L*; a form whose own state would have served more than another rank's
    reports ``tp_disagree``, naming the lowest rank (``FormLookup.tp_rank``);
-4. leases: each rank leases on its own pools, then the ranks all-gather whether a leased object
+4. the admission's choice among the priced plans is rank 0's (the structure of the candidates
+   is agreed, their prices may differ by where each rank's tiers put its shards);
+5. leases: each rank leases on its own pools, then the ranks all-gather whether a leased object
    changed since the lookup (``epoch_changed``); if one did on any rank, every rank releases and
    plans again with that form vetoed — once; a second change raises on every rank.
 
@@ -118,7 +120,12 @@ class RankAgreement:
 
     def hash_hit(self, tokens: int) -> int:
         """Rank 0's hash hit, on every rank."""
-        return self.group.broadcast_ints([tokens])[0]
+        return self.from_rank0(tokens)
+
+    def from_rank0(self, value: int) -> int:
+        """Rank 0's ``value``, on every rank (a decision rank 0 makes for all: the admission's
+        choice among the priced plans)."""
+        return self.group.broadcast_ints([value])[0]
 
     def vetoes(self, reasons: Mapping[Form, Reason], order: Sequence[Form]) -> dict[Form, Reason]:
         """The union of every rank's vetoes: a form this rank does not veto but another does
@@ -153,6 +160,18 @@ class RankAgreement:
         for f in plan.forms:
             if f.reason is Reason.TP_DISAGREE:
                 self.disagreements[(f.form, f.tp_rank)] += 1
+
+    def remote_failures(self, failures: Mapping[Form, Reason], order: Sequence[Form]) -> dict[Form, int]:
+        """After a swap-in ran on every rank: each form whose copy failed on another rank
+        (``offload_corrupt``, ``epoch_changed``, ...) but not here, with the lowest such rank
+        (the caller reports ``tp_disagree`` for it)."""
+        by_rank = self.group.all_gather_ints([_CODES.index(failures.get(form)) for form in order])
+        out: dict[Form, int] = {}
+        for i, form in enumerate(order):
+            failing = [r for r, row in enumerate(by_rank) if row[i]]
+            if failing and form not in failures:
+                out[form] = failing[0]
+        return out
 
     def stale(self, form: Form | None, order: Sequence[Form]) -> tuple[Form, int] | None:
         """After each rank tried its leases: the first form (and the lowest rank) whose leased

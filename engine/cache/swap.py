@@ -29,6 +29,7 @@ from engine.cache.config import CacheConfig
 from engine.cache.coordinator import ResumePlan, plan_resume
 from engine.cache.form_set import FormSet
 from engine.cache.hashing import BlockHash
+from engine.cache.rank_agreement import RankAgreement
 from engine.cache.tiers import SwapIn, TierEntry, TierStore, TierView, fingerprint_text
 from engine.cache.verdicts import mark_recovered, relabel
 from engine.events import ABSENT_REASONS, Form, Outcome, Reason, Tier
@@ -101,6 +102,9 @@ class SwapController:
         self.config = config
         self._prefetched: list[SwapIn] = []
         self._restored: dict[tuple[str, BlockHash], tuple[Tier, int, float]] = {}
+        self.agreement: RankAgreement | None = None
+        """With tensor parallelism: the cross-rank exchanges of the tier-view plan
+        (:mod:`engine.cache.rank_agreement`; the planner's own)."""
         self._refused: dict[tuple[str, BlockHash], Reason] = {}
         """(pool, hash) of prefetched copies the tiers refused, with the reason (``epoch_changed``:
         the entry was dropped meanwhile), until a lookup that needed them claims it."""
@@ -131,9 +135,18 @@ class SwapController:
         """
         if not device.hash_hit_tokens:
             return None
-        forms = self.form_set.resumable(self.form_set.failure_reasons(vetoes))
+        agreement = self.agreement
+        reasons = self.form_set.failure_reasons(vetoes)
+        if agreement is not None:  # every rank's shards on its own tiers: the minimum over ranks
+            agreement.begin()
+            reasons = agreement.vetoes(reasons, [f.form for f in self.form_set.forms])
+        forms = self.form_set.resumable(reasons)
         with self._tier_view():
+            if agreement is not None:
+                forms = agreement.forms(forms, hashes)
             plan = plan_resume(forms, hashes, prompt_tokens, device.hash_hit_tokens, self.form_set.unit_tokens)
+            if agreement is not None:
+                plan = agreement.annotate(plan)
         if plan.resume_tokens <= device.resume_tokens - device.replayed_tokens:
             return None
         if self.prefetching:  # a form whose lost objects are on their way up says so

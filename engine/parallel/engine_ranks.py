@@ -9,20 +9,26 @@ their pools, so ranks that would hold different block geometries never serve.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.cache import PrefixCache
+from engine.cache import CacheConfig, PrefixCache
 from engine.cache.rank_agreement import RankAgreement
+from engine.events import Tier
 from engine.parallel.executor import RankProcesses, RankSpec
 from engine.parallel.group import TensorParallelGroup, free_port
 from engine.parallel.sharding import check_shardable, shard_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -83,18 +89,44 @@ def start(
     return EngineRanks(group, workers)
 
 
+def rank_cache_config(config: CacheConfig, rank: int) -> CacheConfig:
+    """``config`` for one rank: its disk tier in its own ``rank<r>`` subdirectory (each rank
+    offloads and swaps in its own shards)."""
+    if config.disk_tier_dir is None:
+        return config
+    return dataclasses.replace(config, disk_tier_dir=str(Path(config.disk_tier_dir) / f"rank{rank}"))
+
+
 def join_cache(ranks: EngineRanks, cache: PrefixCache) -> None:
-    """A rank's cache joins the engine: refuse the tiers (not per rank yet), compare the ranks'
-    pool geometry (:func:`check_geometry`) and run every lookup and lease through the
-    cross-rank agreement.
+    """A rank's cache joins the engine: compare the ranks' pool geometry (:func:`check_geometry`),
+    keep only the disk-tier objects an earlier run left on every rank (:func:`intersect_disk_tier`)
+    and run every lookup and lease through the cross-rank agreement.
 
     Raises:
-        ValueError: a host or disk tier is on, or the ranks' geometries differ.
+        ValueError: the ranks' geometries differ.
     """
-    if cache.tiers is not None:
-        raise ValueError("tensor_parallel_size > 1 does not support the host or disk tier yet (each rank would need its own shards there)")
     check_geometry(ranks.group, cache)
+    intersect_disk_tier(ranks.group, cache)
     cache.agreement = RankAgreement(ranks.group)
+
+
+def intersect_disk_tier(group: TensorParallelGroup, cache: PrefixCache) -> int:
+    """After a restart, an object of the disk tier is restorable only if every rank found its
+    shard intact: the ranks exchange what each indexed, and each drops (and counts in
+    ``tiers.skipped["tp_incomplete"]``) what some other rank lacks. Returns the objects dropped
+    here."""
+    tiers = cache.tiers
+    mine = [] if tiers is None else sorted((pool, h) for (pool, h), e in tiers.entries.items() if e.tier is Tier.DISK)
+    everyone = group.startup_gather_objects(mine)
+    common = set.intersection(*(set(keys) for keys in everyone if isinstance(keys, list)))
+    dropped = [key for key in mine if key not in common]
+    for pool, h in dropped:
+        assert tiers is not None
+        tiers.drop(pool, h)
+        tiers.skipped["tp_incomplete"] += 1
+    if dropped:
+        log.warning("disk tier: %d objects skipped, not intact on every tensor-parallel rank", len(dropped))
+    return len(dropped)
 
 
 def geometry_fingerprint(cache: PrefixCache) -> int:

@@ -146,6 +146,16 @@ class TensorParallelGroup:
         self._wait(self._startup.allgather([out], [t]), "startup all_gather")
         return [o.tolist() for o in out]
 
+    def startup_gather_objects(self, obj: object) -> list[object]:
+        """Every rank's ``obj`` (pickled; any size), in rank order, on the startup group."""
+        data = pickle.dumps(obj)
+        lengths = [row[0] for row in self.startup_gather([len(data)])]
+        buf = torch.zeros(max(lengths), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(buf) for _ in range(self.size)]
+        self._wait(self._startup.allgather([out], [buf]), "startup all_gather")
+        return [pickle.loads(o[:n].numpy().tobytes()) for o, n in zip(out, lengths, strict=True)]
+
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
             work.wait()

@@ -83,12 +83,6 @@ def test_ranks_with_another_cache_geometry_are_refused() -> None:
         engine_ranks.check_geometry(_Group([mine, mine, mine ^ 1]), llm.cache)  # type: ignore[arg-type]
 
 
-def test_host_and_disk_tiers_are_refused_for_now(tmp_path: object) -> None:
-    cache = CacheConfig(unit_tokens=16, host_tier_bytes=1 << 20)
-    with pytest.raises(ValueError, match="does not support the host or disk tier yet"):
-        LLM("kvscope_hybrid-tiny", device="cpu", cache=cache, tensor_parallel_size=2)
-
-
 def test_a_dead_rank_fails_the_next_call_and_names_it() -> None:
     tp = LLM("kvscope_hybrid-tiny", device="cpu", cache=CACHE, tensor_parallel_size=2, tp_timeout_seconds=5.0)
     try:
