@@ -84,7 +84,7 @@ class LLM:
         tensor_parallel_size: N ranks (one process each: this one is rank 0, the others are
             spawned and stopped by :meth:`close`), each holding 1/N of the sharded weights and
             of the sharded cache pools and its own host and disk tiers (:mod:`engine.parallel`;
-            docs/tensor-parallel.md). CPU (gloo) only for now.
+            docs/tensor-parallel.md): gloo on the CPU, NCCL on CUDA (rank r on GPU r).
         tp_timeout_seconds: how long a rank waits in one collective before the engine calls a
             peer dead (:class:`~engine.parallel.group.RankFailed`).
 
@@ -111,7 +111,8 @@ class LLM:
         tp_timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         _rank: RankSpec | None = None,
     ) -> None:
-        self.device = resolve_device(device)
+        self.tp_rank = 0 if _rank is None else _rank.rank  # this process's tensor-parallel rank
+        self.device = engine_ranks.rank_device(resolve_device(device), self.tp_rank, tensor_parallel_size)
         self.cache_config = cache or CacheConfig()
         self.engine_id = engine_id or default_engine_id()
         loaded = load_model(model, self.device, dtype, precheck=functools.partial(check_memory, self.cache_config, self.device))
@@ -120,7 +121,6 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.config = getattr(self.model, "config", None)
         """The family's config object (``HybridConfig``, ...), for callers that need it."""
-        self.tp_rank = 0 if _rank is None else _rank.rank  # this process's tensor-parallel rank
         self.ranks: engine_ranks.EngineRanks | None = None
         """The tensor-parallel group (and on rank 0 its workers); None in a single process."""
         if tensor_parallel_size > 1:

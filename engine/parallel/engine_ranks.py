@@ -63,14 +63,11 @@ def start(
     ``factory(**llm_kwargs)``) the group, then cut ``model`` to this rank's shard.
 
     Raises:
-        ValueError: N < 1, a device other than the CPU (NCCL is not wired yet), or a head count
-            that does not divide by N (naming the config field).
+        ValueError: N < 1, or a head count that does not divide by N (naming the config field).
         RankFailed: a worker died before joining.
     """
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be ≥ 1, got {size}")
-    if device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size > 1 runs on the CPU (gloo) for now; device {device} needs NCCL, which is not wired yet")
     check_shardable(model, size)
     workers: RankProcesses | None = None
     if spec is None:
@@ -80,13 +77,27 @@ def start(
     else:
         port, rank = spec.port, spec.rank
     try:
-        group = TensorParallelGroup(rank, size, port, timeout_seconds=timeout_seconds)
+        group = TensorParallelGroup(rank, size, port, timeout_seconds=timeout_seconds, device=device)
         shard_model(model, group)
     except BaseException:
         if workers is not None:
             workers.close()
         raise
     return EngineRanks(group, workers)
+
+
+def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
+    """The device of one rank: on CUDA GPU ``rank`` (made current), elsewhere ``device``.
+
+    Raises:
+        ValueError: fewer CUDA GPUs than ranks.
+    """
+    if size <= 1 or device.type != "cuda":
+        return device
+    if torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size = {size} needs {size} CUDA GPUs; {torch.cuda.device_count()} are visible")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
 
 
 def rank_cache_config(config: CacheConfig, rank: int) -> CacheConfig:

@@ -5,6 +5,10 @@ One :class:`TensorParallelGroup` per rank process. It is built on a ``TCPStore``
 can live in one process (tests) and nothing global is left behind when one closes. On CUDA the
 same calls would run on NCCL; on CPU gloo runs them over loopback.
 
+On CUDA the activations (all-reduces, the logits' all-gather) run on an NCCL group; the small
+integer exchanges (the cache agreement, sampled tokens) always run on gloo over CPU tensors, as
+vLLM keeps a CPU group beside its device group.
+
 Two groups with two timeouts: ``startup`` (loading weights takes a different time on each rank)
 for the checks made once at start, and the step group, whose ``timeout_seconds`` bounds how long
 a rank waits in any collective of a step — gloo's own default is 30 minutes, so a dead peer would
@@ -81,10 +85,13 @@ class TensorParallelGroup:
         host: str = "127.0.0.1",
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         startup_timeout_seconds: float = STARTUP_TIMEOUT_SECONDS,
+        device: torch.device | None = None,
     ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a group of {size}")
         self.rank, self.size, self.timeout_seconds = rank, size, timeout_seconds
+        self.device = device or torch.device("cpu")
+        """Where the activations this group reduces live (CUDA: an NCCL group carries them)."""
         startup = datetime.timedelta(seconds=startup_timeout_seconds)
         try:
             self._store = dist.TCPStore(host, port, size, rank == 0, timeout=startup)
@@ -92,6 +99,11 @@ class TensorParallelGroup:
             self._startup: Any = dist.ProcessGroupGloo(dist.PrefixStore("startup", self._store), rank, size, startup)
             step = datetime.timedelta(seconds=timeout_seconds)
             self._group: Any = dist.ProcessGroupGloo(dist.PrefixStore("step", self._store), rank, size, step)
+            self._tensors: Any = self._group
+            if self.device.type == "cuda":  # not run on this project's CPU machines: the gpu-marked test covers it
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = step
+                self._tensors = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", self._store), rank, size, options)
         except (RuntimeError, dist.DistError) as exc:
             raise RankFailed(f"tensor-parallel rank {rank} of {size} could not join the group on {host}:{port}: {exc}") from exc
         self.counts: Counter[str] = Counter()
@@ -102,25 +114,28 @@ class TensorParallelGroup:
         in float32 and cast back."""
         self.counts["all_reduce"] += 1
         if tensor.dtype in _REDUCIBLE and tensor.is_contiguous():
-            self._wait(self._group.allreduce([tensor]), "all_reduce")
+            self._wait(self._tensors.allreduce([tensor]), "all_reduce")
             return tensor
         work = tensor.float().contiguous()
-        self._wait(self._group.allreduce([work]), "all_reduce")
+        self._wait(self._tensors.allreduce([work]), "all_reduce")
         tensor.copy_(work)
         return tensor
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order."""
         self.counts["all_gather"] += 1
+        return self._gather(self._tensors if tensor.is_cuda else self._group, tensor)
+
+    def _gather(self, group: Any, tensor: Tensor) -> list[Tensor]:
         tensor = tensor.contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._wait(self._group.allgather([out], [tensor]), "all_gather")
+        self._wait(group.allgather([out], [tensor]), "all_gather")
         return out
 
     def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
-        """Every rank's ``values`` (the same length on every rank), in rank order."""
-        gathered = self.all_gather(torch.tensor(list(values), dtype=torch.int64))
-        return [t.tolist() for t in gathered]
+        """Every rank's ``values`` (the same length on every rank), in rank order (on gloo)."""
+        self.counts["all_gather"] += 1
+        return [t.tolist() for t in self._gather(self._group, torch.tensor(list(values), dtype=torch.int64))]
 
     def broadcast_ints(self, values: Sequence[int], root: int = 0) -> list[int]:
         """Rank ``root``'s ``values`` on every rank (the same length on every rank)."""
@@ -164,6 +179,6 @@ class TensorParallelGroup:
 
     def close(self) -> None:
         """Drop the groups and the store (the other ranks' next collective fails at once)."""
-        for name in ("_group", "_startup", "_store"):
+        for name in ("_tensors", "_group", "_startup", "_store"):
             if hasattr(self, name):
                 delattr(self, name)

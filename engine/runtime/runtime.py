@@ -104,7 +104,7 @@ class Runtime:
         if llm.ranks is not None:
             runtime_ranks.register(llm, self)
         if self.mirrored:
-            mirror = {"config": self.config, "static_decode": static_decode, "decode_batch_sizes": decode_batch_sizes}
+            mirror = {"config": self.config, "static_decode": static_decode, "decode_batch_sizes": decode_batch_sizes, "cuda_graphs": cuda_graphs}
             llm.on_every_rank(runtime_ranks.build_mirror, Runtime, mirror)
 
     # -- requests --------------------------------------------------------------------------------

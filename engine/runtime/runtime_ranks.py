@@ -38,10 +38,14 @@ def register(llm: LLM, runtime: RankRuntime) -> None:
 
 def build_mirror(llm: LLM, factory: Callable[..., RankRuntime], options: dict[str, Any]) -> None:
     """On a worker rank: the mirror of rank 0's runtime (``factory``: the runtime class;
-    ``options``: its config, static decode and decode batch sizes; no CUDA graphs). Nothing on
-    rank 0, whose runtime registered itself."""
+    ``options``: its config, static decode, decode batch sizes and CUDA graphs, as rank 0's:
+    each rank captures its own graphs over its own static slots). Nothing on rank 0, whose
+    runtime registered itself."""
     if llm.tp_rank:
-        factory(llm, options["config"], static_decode=options["static_decode"], decode_batch_sizes=options["decode_batch_sizes"], cuda_graphs=False)
+        factory(
+            llm, options["config"], static_decode=options["static_decode"], decode_batch_sizes=options["decode_batch_sizes"],
+            cuda_graphs=options["cuda_graphs"],
+        )  # fmt: skip
 
 
 def step_on_rank(llm: LLM, inputs: list[tuple[str, Any]]) -> list[Any] | None:
