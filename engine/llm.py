@@ -152,7 +152,7 @@ class LLM:
             self._close_ranks()
             raise
         if self.ranks is not None and self.ranks.workers is not None:
-            self.ranks.workers.collect()  # every worker built its shard
+            self.ranks.workers.ready()  # every worker built its shard
 
     def _close_ranks(self) -> None:
         if self.ranks is not None:

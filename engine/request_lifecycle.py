@@ -194,12 +194,13 @@ class RequestLifecycle:
 
         Prices the plans with :attr:`cost_model` (measured first if needed), then
         :meth:`PrefixCache.admit` and :meth:`PrefixCache.start`. When an object the plan relies
-        on changed between the check and the lease (:class:`StaleResume`), the plan is made again
-        with that form vetoed (``epoch_changed``). The caller owns the returned lease: give it
-        back with :meth:`release`.
+        on changed between the check and the lease (:class:`StaleResume`, on any tensor-parallel
+        rank), the plan is made again with that form vetoed (``epoch_changed``); if that one goes
+        stale too, the request recomputes everything (every form vetoed). The caller owns the
+        returned lease: give it back with :meth:`release`.
 
         Raises:
-            StaleResume: the second plan went stale too. RuntimeError: from
+            StaleResume: a plan that reuses nothing went stale (an internal invariant). RuntimeError: from
                 :meth:`PrefixCache.start` (an internal invariant). Nothing is held after a raise.
         """
         costs = self.cost_model()
@@ -216,9 +217,14 @@ class RequestLifecycle:
             cache.finish_recovery(admitted)
             admitted = cache.admit(hashes, len(token_ids), costs, output_tokens=max_tokens, vetoes={leased.form: Reason.EPOCH_CHANGED})
             leased = self._lease(admitted, token_ids, hashes)
-            if isinstance(leased, StaleResume):
+            if isinstance(leased, StaleResume):  # changed again: recompute everything (nothing leased can go stale)
                 cache.finish_recovery(admitted)
-                raise leased
+                cold = dict.fromkeys((f.form for f in cache.forms), Reason.EPOCH_CHANGED)
+                admitted = cache.admit(hashes, len(token_ids), costs, output_tokens=max_tokens, vetoes=cold)
+                leased = self._lease(admitted, token_ids, hashes)
+                if isinstance(leased, StaleResume):
+                    cache.finish_recovery(admitted)
+                    raise leased
         seq = leased
         try:
             epochs = {f.form: cache.form_epoch(seq, f, admitted.plan.resume_tokens) for f in cache.forms}

@@ -19,7 +19,7 @@ exchange what they found and every rank continues with the minimum:
    is agreed, their prices may differ by where each rank's tiers put its shards);
 5. leases: each rank leases on its own pools, then the ranks all-gather whether a leased object
    changed since the lookup (``epoch_changed``); if one did on any rank, every rank releases and
-   plans again with that form vetoed — once; a second change raises on every rank.
+   plans again with that form vetoed; a second change makes every rank recompute from 0.
 
 Collectives run only in lockstep (every rank makes the same calls in the same order), bounded by
 the group's timeout.

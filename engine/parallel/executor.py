@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
-from engine.parallel.group import RankFailed
+from engine.parallel.group import STARTUP_TIMEOUT_SECONDS, RankFailed
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class RankProcesses:
             child.close()
             self.processes.append((rank, proc, parent))
         for rank, _, _ in self.processes:
-            self._reply(rank, "started")
+            self._reply(rank, "its start", STARTUP_TIMEOUT_SECONDS)
 
     def dead(self) -> list[int]:
         """Ranks whose process has exited."""
@@ -98,6 +98,15 @@ class RankProcesses:
                 conn.send((name, args, kwargs))
             except (BrokenPipeError, OSError) as exc:
                 raise RankFailed(f"tensor-parallel rank {rank} is gone: {exc}", rank) from exc
+
+    def ready(self) -> None:
+        """Wait until every worker built its engine (its weights loaded and sharded).
+
+        Raises:
+            RankFailed: a worker died or failed while building it.
+        """
+        for rank, _, _ in self.processes:
+            self._reply(rank, "building its engine", STARTUP_TIMEOUT_SECONDS)
 
     def collect(self, *, raise_errors: bool = True) -> list[Any]:
         """Every worker's reply to the last :meth:`send`, in rank order (values of
@@ -119,9 +128,10 @@ class RankProcesses:
             raise failure
         return replies
 
-    def _reply(self, rank: int, what: str) -> Any:
+    def _reply(self, rank: int, what: str, timeout_seconds: float | None = None) -> Any:
         _, proc, conn = self.processes[rank - 1]
-        ready = wait([conn, proc.sentinel], timeout=self.timeout_seconds * 2 + 30)
+        timeout = self.timeout_seconds * 2 + 30 if timeout_seconds is None else timeout_seconds
+        ready = wait([conn, proc.sentinel], timeout=timeout)
         if conn in ready:
             try:
                 status, value = conn.recv()
@@ -132,7 +142,7 @@ class RankProcesses:
             return value
         if proc.sentinel in ready:
             raise RankFailed(f"tensor-parallel rank {rank} died during {what} (exit code {proc.exitcode})", rank)
-        raise RankFailed(f"tensor-parallel rank {rank} did not answer {what} within {self.timeout_seconds * 2 + 30:g} s", rank)
+        raise RankFailed(f"tensor-parallel rank {rank} did not answer {what} within {timeout:g} s", rank)
 
     def close(self, timeout_seconds: float = 10.0) -> None:
         """Stop every worker: ask it to close its engine, then terminate what is left."""

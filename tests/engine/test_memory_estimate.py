@@ -28,7 +28,7 @@ def test_the_estimate_is_what_the_weights_and_pools_then_take(model: str, cache:
 
 
 def test_it_is_logged_before_loading(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="engine.llm"):
+    with caplog.at_level(logging.INFO, logger="engine.memory_estimate"):
         LLM("qwen3_next-tiny", device="cpu")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory estimate on cpu: weights")]
     assert len(lines) == 1 and "full_kv" in lines[0] and "linear_state" in lines[0] and "free:" in lines[0]

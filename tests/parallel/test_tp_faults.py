@@ -52,6 +52,25 @@ def test_a_shard_lost_on_rank_1_makes_every_rank_fall_back(form: Form) -> None:
         ref.close()
 
 
+def test_a_lease_gone_stale_on_rank_1_makes_every_rank_plan_again() -> None:
+    """Rank 1 loses a page between the agreed lookup and its lease (TOCTOU): the ranks exchange
+    it, every rank releases and plans again with the form vetoed (``epoch_changed``)."""
+    faults = Faults(evict_between_check_and_use=True, on_rank=1)
+    tp = LLM("kvscope_hybrid-tiny", device="cpu", cache=CACHE, tensor_parallel_size=2, check_invariants=True, faults=faults)
+    ref = LLM("kvscope_hybrid-tiny", device="cpu", cache=CACHE)
+    try:
+        base = tokens(100, 7)
+        tp.score(base)
+        ids = base + tokens(20, 8)
+        warm = tp.score(ids)
+        assert warm.resume_tokens == 0 and warm.cache.form(Form.FULL_KV).reason == Reason.EPOCH_CHANGED
+        assert (warm.logits - ref.prefill_logits(ids)).abs().max().item() <= TOLERANCE[torch.float32]
+        assert all(tp.on_every_rank(tp_helpers.check_invariants))
+    finally:
+        tp.close()
+        ref.close()
+
+
 def test_heads_that_do_not_divide_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="linear_num_key_heads = 2 does not divide by tensor_parallel_size = 3"):
         LLM(HybridConfig(), device="cpu", tensor_parallel_size=3)
