@@ -3,8 +3,8 @@ and the collectives each step runs (one JSON object on stdout; progress on stder
 
 ``python -m benchmarks.tp [--model M] [--prompt-tokens T] [--decode-steps D] [--repeats R]``
 
-Both engines load the same weights; every rank runs one torch thread (rank 0 here too), so on a
-2-core machine TP=2 uses both cores and TP=1 one. Measured, alternating TP=1 and TP=2 ``R``
+Both engines load the same weights. Every rank runs ``cpu_count // 2`` torch threads, rank 0
+included: 1 each on a 2-core machine, where TP=2 uses both cores and TP=1 one. Measured, alternating TP=1 and TP=2 ``R``
 times, best of each: a cold prefill of ``T`` tokens (``prefill_logits``, one chunk per
 ``max_prefill_chunk_tokens``) and ``D`` decode steps after a ``T``-token prompt (the engine's
 own decode path). Reported: seconds, the TP=2 / TP=1 ratios (below 1: TP=2 is faster), the
@@ -69,7 +69,8 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    threads = max(1, (os.cpu_count() or 1) // 2)  # what the engine gives each worker at TP=2
+    torch.set_num_threads(threads)
     cache = CacheConfig(max_prefill_chunk_tokens=512, enable_prefix_caching=False)
     print(f"loading {args.model} at TP=1 and TP=2 ...", file=sys.stderr)
     one = LLM(args.model, device="cpu", cache=cache)
@@ -96,7 +97,7 @@ def main() -> None:
             "model": args.model,
             "prompt_tokens": args.prompt_tokens,
             "decode_steps": args.decode_steps,
-            "threads_per_rank": 1,
+            "threads_per_rank": threads,
             "layers": len(one.layout.layer_types),
             "prefill_seconds": {"tp1": prefill[1], "tp2": prefill[2]},
             "decode_step_seconds": {"tp1": decode[1], "tp2": decode[2]},

@@ -146,13 +146,13 @@ class LLM:
             """The backend the layers run on (``torch`` or ``triton``)."""
             set_kernel_backend(self.model, self.kernel_backend)
             self._finish_init(telemetry, check_invariants, block_events, faults, cost_model)
+            if self.ranks is not None and self.ranks.workers is not None:
+                self.ranks.workers.ready()  # every worker built its shard
         except BaseException:
             if self.cache.tiers is not None:
                 self.cache.tiers.close()  # gives the disk tier's directory back
             self._close_ranks()
             raise
-        if self.ranks is not None and self.ranks.workers is not None:
-            self.ranks.workers.ready()  # every worker built its shard
 
     def _close_ranks(self) -> None:
         if self.ranks is not None:

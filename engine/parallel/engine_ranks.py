@@ -77,7 +77,8 @@ def start(
     else:
         port, rank = spec.port, spec.rank
     try:
-        group = TensorParallelGroup(rank, size, port, timeout_seconds=timeout_seconds, device=device)
+        alive = None if workers is None else workers.check_alive
+        group = TensorParallelGroup(rank, size, port, timeout_seconds=timeout_seconds, device=device, peers_alive=alive)
         shard_model(model, group)
     except BaseException:
         if workers is not None:

@@ -36,6 +36,10 @@ _CALL = "__call__"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class WorkerError(RankFailed):
+    """A worker raised while running a call (rank 0 usually raised the same: a user error)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RankSpec:
     """What a worker needs to join: its rank, the group size, the rendezvous port, the step
@@ -73,15 +77,27 @@ class RankProcesses:
         """Nesting of :func:`runs_on_every_rank` calls on rank 0 (only the outermost is sent)."""
         self.processes: list[tuple[int, mp.process.BaseProcess, Connection]] = []
         """(rank, process, pipe) of every worker."""
-        for rank in range(1, size):
-            parent, child = ctx.Pipe()
-            spec = RankSpec(rank, size, port, timeout_seconds, threads)
-            proc = ctx.Process(target=_worker_main, args=(spec, factory, llm_kwargs, child), name=f"kvscope-tp-rank{rank}", daemon=True)
-            proc.start()
-            child.close()
-            self.processes.append((rank, proc, parent))
-        for rank, _, _ in self.processes:
-            self._reply(rank, "its start", STARTUP_TIMEOUT_SECONDS)
+        self.failed: RankFailed | None = None
+        """Set once a worker died, hung or answered out of turn: every later call is refused."""
+        try:
+            for rank in range(1, size):
+                parent, child = ctx.Pipe()
+                spec = RankSpec(rank, size, port, timeout_seconds, threads)
+                proc = ctx.Process(target=_worker_main, args=(spec, factory, llm_kwargs, child), name=f"kvscope-tp-rank{rank}", daemon=True)
+                proc.start()
+                child.close()
+                self.processes.append((rank, proc, parent))
+            for rank, _, _ in self.processes:
+                self._reply(rank, "its start", STARTUP_TIMEOUT_SECONDS)
+        except BaseException:
+            self.close()
+            raise
+
+    def check_alive(self) -> None:
+        """Raise :class:`RankFailed` naming the first worker whose process has exited."""
+        dead = self.dead()
+        if dead:
+            raise RankFailed(f"tensor-parallel rank {dead[0]} exited before it joined the group", dead[0])
 
     def dead(self) -> list[int]:
         """Ranks whose process has exited."""
@@ -93,11 +109,14 @@ class RankProcesses:
         Raises:
             RankFailed: a worker is gone.
         """
+        if self.failed is not None:
+            raise RankFailed(f"the engine lost a tensor-parallel rank earlier ({self.failed}); start a new one", self.failed.rank)
         for rank, _, conn in self.processes:
             try:
                 conn.send((name, args, kwargs))
             except (BrokenPipeError, OSError) as exc:
-                raise RankFailed(f"tensor-parallel rank {rank} is gone: {exc}", rank) from exc
+                self.failed = RankFailed(f"tensor-parallel rank {rank} is gone: {exc}", rank)
+                raise self.failed from exc
 
     def ready(self) -> None:
         """Wait until every worker built its engine (its weights loaded and sharded).
@@ -124,9 +143,18 @@ class RankProcesses:
             except RankFailed as exc:
                 failure = failure or exc
                 replies.append(None)
+        if failure is not None and (raise_errors or not isinstance(failure, WorkerError)):
+            self.failed = self.failed or failure  # died, hung, or failed where rank 0 did not: the ranks diverged
         if failure is not None and raise_errors:
             raise failure
         return replies
+
+    def named(self, exc: RankFailed) -> RankFailed:
+        """``exc`` naming the dead worker when the collective that failed could not say which."""
+        dead = self.dead()
+        if exc.rank is not None or not dead:
+            return exc
+        return RankFailed(f"tensor-parallel rank {dead[0]} died ({exc})", dead[0])
 
     def _reply(self, rank: int, what: str, timeout_seconds: float | None = None) -> Any:
         _, proc, conn = self.processes[rank - 1]
@@ -138,7 +166,7 @@ class RankProcesses:
             except (EOFError, OSError) as exc:
                 raise RankFailed(f"tensor-parallel rank {rank} died during {what}", rank) from exc
             if status == "error":
-                raise RankFailed(f"tensor-parallel rank {rank} failed during {what}: {value}", rank)
+                raise WorkerError(f"tensor-parallel rank {rank} failed during {what}: {value}", rank)
             return value
         if proc.sentinel in ready:
             raise RankFailed(f"tensor-parallel rank {rank} died during {what} (exit code {proc.exitcode})", rank)
@@ -182,6 +210,10 @@ def runs_on_every_rank(*local_only: str) -> Callable[[F], F]:
                     ranks.send(method.__name__, args, {k: v for k, v in kwargs.items() if k not in local_only})
                     try:
                         result = method(self, *args, **kwargs)
+                    except RankFailed as exc:
+                        ranks.collect(raise_errors=False)
+                        ranks.failed = ranks.failed or ranks.named(exc)
+                        raise ranks.failed from exc
                     except BaseException:
                         ranks.collect(raise_errors=False)
                         raise
@@ -204,6 +236,10 @@ def run_on_every_rank(ranks: RankProcesses, target: Any, fn: Callable[..., Any],
             ranks.send(_CALL, (fn, *args), {})
             try:
                 mine = fn(target, *args)
+            except RankFailed as exc:
+                ranks.collect(raise_errors=False)
+                ranks.failed = ranks.failed or ranks.named(exc)
+                raise ranks.failed from exc
             except BaseException:
                 ranks.collect(raise_errors=False)
                 raise

@@ -2,8 +2,8 @@
 
 One :class:`TensorParallelGroup` per rank process. It is built on a ``TCPStore`` and a gloo
 ``ProcessGroupGloo`` of its own (not ``torch.distributed``'s default group), so several engines
-can live in one process (tests) and nothing global is left behind when one closes. On CUDA the
-same calls would run on NCCL; on CPU gloo runs them over loopback.
+can live in one process (tests) and nothing global is left behind when one closes. On the CPU
+gloo runs every collective over loopback.
 
 On CUDA the activations (all-reduces, the logits' all-gather) run on an NCCL group; the small
 integer exchanges (the cache agreement, sampled tokens) always run on gloo over CPU tensors, as
@@ -23,8 +23,9 @@ from __future__ import annotations
 import datetime
 import pickle
 import socket
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +87,7 @@ class TensorParallelGroup:
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         startup_timeout_seconds: float = STARTUP_TIMEOUT_SECONDS,
         device: torch.device | None = None,
+        peers_alive: Callable[[], None] | None = None,
     ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a group of {size}")
@@ -94,7 +96,8 @@ class TensorParallelGroup:
         """Where the activations this group reduces live (CUDA: an NCCL group carries them)."""
         startup = datetime.timedelta(seconds=startup_timeout_seconds)
         try:
-            self._store = dist.TCPStore(host, port, size, rank == 0, timeout=startup)
+            self._store = dist.TCPStore(host, port, size, rank == 0, timeout=startup, wait_for_workers=False)
+            self._join(startup_timeout_seconds, peers_alive)
             # the backend's collectives (allreduce, allgather, broadcast) are not in its type stubs
             self._startup: Any = dist.ProcessGroupGloo(dist.PrefixStore("startup", self._store), rank, size, startup)
             step = datetime.timedelta(seconds=timeout_seconds)
@@ -107,6 +110,22 @@ class TensorParallelGroup:
         except (RuntimeError, dist.DistError) as exc:
             raise RankFailed(f"tensor-parallel rank {rank} of {size} could not join the group on {host}:{port}: {exc}") from exc
         self.counts: Counter[str] = Counter()
+
+    def _join(self, timeout_seconds: float, peers_alive: Callable[[], None] | None) -> None:
+        """Every rank says it joined; rank 0 waits until all did, calling ``peers_alive`` (which
+        raises for a peer process that died) while it waits, so a worker that dies before
+        joining fails the start at once rather than after the startup timeout."""
+        self._store.set(f"joined/{self.rank}", "1")
+        if self.rank:
+            return
+        keys = [f"joined/{r}" for r in range(self.size)]
+        deadline = time.monotonic() + timeout_seconds
+        while not self._store.check(keys):
+            if peers_alive is not None:
+                peers_alive()
+            if time.monotonic() > deadline:
+                raise RankFailed(f"tensor-parallel ranks did not all join within {timeout_seconds:g} s")
+            time.sleep(0.02)
 
     # -- tensors -----------------------------------------------------------------------------------
     def all_reduce(self, tensor: Tensor) -> Tensor:

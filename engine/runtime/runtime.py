@@ -49,7 +49,6 @@ from engine.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
-
 class Runtime:
     """Continuous batching over one :class:`~engine.llm.LLM` (module docstring).
 
@@ -80,14 +79,8 @@ class Runtime:
         self.config = config or SchedulerConfig()
         if static_decode is None:
             static_decode = supports_static_decode(llm.model)
-        self.decode_runner = (
-            DecodeRunner(
-                llm, self.config.max_num_seqs, self.config.max_model_len, decode_batch_sizes,
-                cuda_graphs=cuda_graphs, check_graph_safe=check_graph_safe,
-            )
-            if static_decode
-            else None
-        )  # fmt: skip
+        self._runner = (static_decode, decode_batch_sizes, cuda_graphs, check_graph_safe)
+        self.decode_runner: DecodeRunner | None = None
         self.scheduler = Scheduler(self.config)
         self.waiting: list[RuntimeRequest] = []
         self.running: list[RuntimeRequest] = []
@@ -99,13 +92,20 @@ class Runtime:
         self.last_step_tokens = 0
         """Tokens the last step computed (at most ``max_num_batched_tokens``)."""
         self._inputs: list[tuple[str, object]] = []  # tensor parallelism: adds and aborts the mirrors have not seen
-        self.mirrored = llm.ranks is not None and llm.ranks.workers is not None
-        """Whether this is rank 0 of a tensor-parallel engine (its workers run mirrors)."""
+        self.mirrored = llm.ranks is not None and llm.ranks.workers is not None  # rank 0 of a tensor-parallel engine
         if llm.ranks is not None:
             runtime_ranks.register(llm, self)
-        if self.mirrored:
+        if self.mirrored:  # every rank builds its decode runner at once (a CUDA graph capture runs collectives)
             mirror = {"config": self.config, "static_decode": static_decode, "decode_batch_sizes": decode_batch_sizes, "cuda_graphs": cuda_graphs}
             llm.on_every_rank(runtime_ranks.build_mirror, Runtime, mirror)
+        else:
+            self.build_decode_runner()
+
+    def build_decode_runner(self) -> None:
+        """The static decode runner (captures its CUDA graphs), when static decode is on."""
+        static, sizes, graphs, check = self._runner
+        if static:
+            self.decode_runner = DecodeRunner(self.llm, self.config.max_num_seqs, self.config.max_model_len, sizes, cuda_graphs=graphs, check_graph_safe=check)
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(
@@ -205,8 +205,8 @@ class Runtime:
             if nxt is None:
                 break
             assert isinstance(nxt, RuntimeRequest)
-            if self.running and not fits(self.llm.cache, self.running, nxt):
-                break  # wait for memory rather than admit and preempt (vLLM's can_allocate)
+            if self.running and not runtime_ranks.rank0_says(self.llm, fits(self.llm.cache, self.running, nxt)):
+                break  # wait for memory rather than admit and preempt (vLLM's can_allocate); rank 0 decides
             self.waiting.remove(nxt)
             self._start(nxt)
             end = nxt.next_chunk_end(budget)
@@ -396,4 +396,3 @@ class Runtime:
         self.lifecycle.check_cache()
         if r.on_finish is not None:
             r.on_finish(r)
-

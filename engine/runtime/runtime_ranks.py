@@ -24,11 +24,16 @@ class RankRuntime(Protocol):
     def add_request(self, prompt: list[int], params: Any, *, request_id: str, session: str) -> Any: ...
     def abort(self, request_id: str) -> bool: ...
     def step_here(self) -> list[Any]: ...
+    def build_decode_runner(self) -> None: ...
+    def pop_finished(self, request_id: str) -> Any: ...
+
+    @property
+    def requests(self) -> dict[str, Any]: ...
 
 
 _RUNTIMES: dict[str, RankRuntime] = {}
 """This process's runtime of each tensor-parallel engine, by engine id (rank 0's own, or a
-worker's mirror of it)."""
+worker's mirror of it): one per engine, the latest built (rank 0 steps only that one)."""
 
 
 def register(llm: LLM, runtime: RankRuntime) -> None:
@@ -39,9 +44,11 @@ def register(llm: LLM, runtime: RankRuntime) -> None:
 def build_mirror(llm: LLM, factory: Callable[..., RankRuntime], options: dict[str, Any]) -> None:
     """On a worker rank: the mirror of rank 0's runtime (``factory``: the runtime class;
     ``options``: its config, static decode, decode batch sizes and CUDA graphs, as rank 0's:
-    each rank captures its own graphs over its own static slots). Nothing on rank 0, whose
-    runtime registered itself."""
-    if llm.tp_rank:
+    each rank captures its own graphs over its own static slots). On rank 0, whose runtime
+    registered itself: its decode runner, built while the workers build theirs."""
+    if not llm.tp_rank:
+        _RUNTIMES[llm.engine_id].build_decode_runner()
+    else:
         factory(
             llm, options["config"], static_decode=options["static_decode"], decode_batch_sizes=options["decode_batch_sizes"],
             cuda_graphs=options["cuda_graphs"],
@@ -60,7 +67,18 @@ def step_on_rank(llm: LLM, inputs: list[tuple[str, Any]]) -> list[Any] | None:
         else:
             runtime.abort(value)
     runtime.step_here()
+    for rid in [rid for rid, r in runtime.requests.items() if r.finished]:  # rank 0's caller collects its own
+        runtime.pop_finished(rid)
     return None
+
+
+def rank0_says(llm: LLM, decision: bool) -> bool:
+    """Rank 0's ``decision`` on every rank (one broadcast; ``decision`` itself in a single
+    process): what reads rank-local state (pool occupancy differs after a lost shard) must not
+    send the ranks different ways."""
+    if llm.ranks is None:
+        return decision
+    return bool(llm.ranks.group.broadcast_ints([int(decision)])[0])
 
 
 def agree_on_schedule(group: TensorParallelGroup, chunks: list[tuple[int, int, int]], preemptions: int) -> None:

@@ -127,9 +127,8 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
     async def health() -> Response:
         ranks = [] if llm.ranks is None else llm.ranks.status()
         dead = [r["rank"] for r in ranks if not r["alive"]]
-        failed = loop.error.rank if isinstance(loop.error, RankFailed) else None
-        if dead or failed is not None:
-            rank = dead[0] if dead else failed
+        if dead or isinstance(loop.error, RankFailed):  # rank None: a collective timed out, every process alive
+            rank = dead[0] if dead else getattr(loop.error, "rank", None)
             detail = repr(loop.error) if loop.error is not None else f"tensor-parallel rank {rank} exited"
             return JSONResponse(status_code=503, content={"status": "rank failed", "rank": rank, "error": detail, "ranks": ranks})
         if not loop.alive:

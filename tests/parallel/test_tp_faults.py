@@ -17,7 +17,8 @@ from engine.config import HybridConfig
 from engine.events import CacheLookup, Form, Outcome, Reason
 from engine.faults import Faults
 from engine.parallel import engine_ranks
-from engine.parallel.group import RankFailed
+from engine.parallel.group import RankFailed, TensorParallelGroup, free_port
+from engine.parallel.sharding import Shard, keep_cols, keep_rows
 from engine.telemetry import ListSink
 from tests.helpers import TOLERANCE, tokens
 from tests.parallel import tp_helpers
@@ -111,7 +112,9 @@ def test_a_dead_rank_fails_the_next_call_and_names_it() -> None:
         proc.join(10)
         with pytest.raises(RankFailed) as failed:
             tp.score(tokens(40, 3))
-        assert "rank 1" in str(failed.value) or "peer rank" in str(failed.value)
+        assert failed.value.rank == 1 and "tensor-parallel rank 1" in str(failed.value)
+        with pytest.raises(RankFailed, match="lost a tensor-parallel rank earlier"):  # no half-broken engine serves on
+            tp.score(tokens(40, 3))
     finally:
         tp.close()
 
@@ -141,3 +144,40 @@ def test_agreement_takes_the_minimum_and_names_the_lowest_rank() -> None:
     assert agreed.resume_at_most(hashes, 64) == 32  # rank 2 serves 32 of 64
     assert agreement.vetoers == {Form.FULL_KV: 2}
     assert agreed.loss_reason(hashes, 48) == Reason.TP_DISAGREE  # this rank's own state serves 48
+
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once() -> None:
+    """Rank 0 waits for the workers to join while watching their processes: a dead one fails
+    the start at once (here after three polls) instead of after the 600 s startup timeout."""
+    polls = []
+
+    def peers_alive() -> None:
+        polls.append(1)
+        if len(polls) == 3:
+            raise RankFailed("tensor-parallel rank 1 exited before it joined the group", 1)
+
+    with pytest.raises(RankFailed, match="rank 1 exited before it joined"):
+        TensorParallelGroup(0, 2, free_port(), peers_alive=peers_alive)
+    assert len(polls) == 3
+
+
+def test_row_parallel_shards_sum_to_the_whole_layer_and_add_the_bias_once() -> None:
+    """keep_rows / keep_cols on a layer with biases: the column-parallel halves are the rows of
+    the output, the row-parallel partial outputs sum to the whole (the bias counted once)."""
+    torch.manual_seed(0)
+    up, down = torch.nn.Linear(8, 6), torch.nn.Linear(6, 4)
+    x = torch.randn(3, 8)
+    whole = down(up(x))
+    partial = []
+    for rank in range(2):
+        u, d = torch.nn.Linear(8, 6), torch.nn.Linear(6, 4)
+        u.load_state_dict(up.state_dict())
+        d.load_state_dict(down.state_dict())
+        part = torch.arange(rank * 3, rank * 3 + 3)
+        keep_rows(u, part)
+        keep_cols(d, part, Shard(rank, 2))
+        assert u.weight.shape == (3, 8) and d.weight.shape == (4, 3)
+        assert (u(x) - up(x)[:, part]).abs().max().item() < 1e-6
+        partial.append(d(u(x)))
+    assert (partial[0] + partial[1] - whole).abs().max().item() < 1e-6
+    assert (partial[1] - (whole - partial[0])).abs().max().item() < 1e-6

@@ -36,6 +36,12 @@ def disk_files(llm: LLM) -> int:
     return sum(1 for e in llm.cache.tiers.entries.values() if e.tier is Tier.DISK)
 
 
+def verdicts(llm: LLM, ids: list[int]) -> tuple[int, torch.Tensor, dict[str, tuple[Reason, int]]]:
+    """``score`` on this rank: L*, the logits and every form's (reason, tp_rank)."""
+    out = llm.score(ids)
+    return out.resume_tokens, out.logits, {f.form.value: (f.reason, f.tp_rank) for f in out.cache.forms}
+
+
 def assert_cold(warm_logits: torch.Tensor, resume: int, ids: list[int], ref: LLM) -> None:
     diff = (warm_logits - ref.prefill_logits(ids)[resume:]).abs().max().item()
     assert diff <= TOLERANCE[torch.float32], f"warm != cold by {diff:.3g} (L* = {resume})"
@@ -69,10 +75,16 @@ def test_a_copy_corrupt_on_rank_1_lowers_every_rank(tmp_path: Path) -> None:
         tp.score(base)
         assert tp.offload(Tier.DISK) > 0
         ids = base + tokens(20, 4)
-        out = tp.score(ids)
-        assert out.resume_tokens == 0  # rank 1's shards never arrived intact: nothing to resume on
-        assert {f.reason for f in out.cache.forms} & {Reason.TP_DISAGREE, Reason.OFFLOAD_CORRUPT}
-        assert_cold(out.logits, out.resume_tokens, ids, ref)
+        outs = tp.on_every_rank(verdicts, ids)  # the same request on every rank, in lockstep
+        out = outs[0]
+        assert isinstance(out, tuple)
+        resume, logits, mine = out
+        assert resume == 0  # rank 1's shards never arrived intact: nothing to resume on
+        assert_cold(logits, resume, ids, ref)
+        # rank 0's copies arrived: it names rank 1; rank 1 reports its own corrupt files
+        assert {(r, rank) for r, rank in mine.values()} == {(Reason.TP_DISAGREE, 1)}
+        theirs = outs[1][2]  # type: ignore[index]
+        assert Reason.OFFLOAD_CORRUPT in {r for r, _ in theirs.values()}
         assert all(tp.on_every_rank(tp_helpers.check_invariants))
     finally:
         tp.close()
