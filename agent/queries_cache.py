@@ -46,6 +46,31 @@ TOTALS = NamedQuery(
     ),
 )
 
+_HEADLINE_SUMS = ("prompt_tokens", "hash_hit_tokens", "recoverable_tokens")
+
+HEADLINE = NamedQuery(
+    name="headline",
+    description=(
+        "The Overview's headline: prompt, hash-hit and recoverable token sums of the requests in "
+        "the trailing window_seconds, and of the window before it (previous_*), with their counts."
+    ),
+    sql=f"""
+    SELECT
+        count(*) FILTER (WHERE ts >= $now - to_seconds($window_seconds::BIGINT)) AS requests,
+        {", ".join(f"coalesce(sum({c}) FILTER (WHERE ts >= $now - to_seconds($window_seconds::BIGINT)), 0)::BIGINT AS {c}" for c in _HEADLINE_SUMS)},
+        count(*) FILTER (WHERE ts < $now - to_seconds($window_seconds::BIGINT)) AS previous_requests,
+        {", ".join(f"coalesce(sum({c}) FILTER (WHERE ts < $now - to_seconds($window_seconds::BIGINT)), 0)::BIGINT AS previous_{c}" for c in _HEADLINE_SUMS)}
+    FROM requests
+    WHERE ts >= $now - to_seconds(2 * $window_seconds::BIGINT) AND ts < $now AND {FILTER_SQL.format(t="")}
+    """,
+    params=(
+        QueryParam(name="window_seconds", kind=int, default=300, minimum=10, maximum=86400, description="the trailing window, seconds"),
+        engine_param(),
+        MODEL_PARAM,
+    ),
+    columns=("requests", *_HEADLINE_SUMS, "previous_requests", *(f"previous_{c}" for c in _HEADLINE_SUMS)),
+)
+
 FORM_OUTCOMES = NamedQuery(
     name="form_outcomes",
     description="Lookups per form, outcome and reason, with their usable and recoverable tokens.",

@@ -3,11 +3,13 @@
 Panels (all from the agent's named queries, refreshed every :data:`REFRESH_SECONDS` inside one
 ``st.fragment``; each query is cached for :data:`CACHE_TTL_SECONDS`):
 
-* current recoverable and raw hit rate (the latest time bucket) with the change from the bucket
-  before, in percentage points;
+* the headline: recoverable and raw hit rate over a trailing window (``headline``; 5 minutes
+  unless chosen) with the change from the window before, in percentage points — below
+  :data:`MIN_HEADLINE_PROMPT_TOKENS` prompt tokens it says "not enough traffic" and the volume
+  it saw, never 0 %;
 * recoverable vs raw hit rate over time (``hit_rate_timeseries``) — the gap is what hybrid
   caches lose between "hash hit" and "actually reused" — and a link to the requests of the bucket
-  with the lowest recoverable rate (the Requests page, narrowed to that bucket);
+  with the widest raw − recoverable gap (the Requests page, narrowed to that bucket);
 * prompt tokens split into recoverable / replayed / recomputed per bucket;
 * each form's usable rate over time (``form_usable_timeseries``): which form explains the gap;
 * each form's recoverable rate (recoverable / hash-hit tokens of its lookups, from the rollup) as
@@ -45,6 +47,12 @@ from dashboard.common import (
     unix_seconds,
 )
 
+HEADLINE_WINDOWS = {"1 minute": 60, "5 minutes": 300, "15 minutes": 900}
+"""The headline's trailing windows (the first choice shown is 5 minutes)."""
+
+MIN_HEADLINE_PROMPT_TOKENS = 1000
+"""Below this many prompt tokens in the headline's window a rate is noise: "not enough traffic"."""
+
 
 def _percent(ratio: float | None) -> str:
     return "n/a" if ratio is None or math.isnan(ratio) else f"{ratio:.1%}"
@@ -65,15 +73,18 @@ def render() -> None:
     )
     client = current_client()
     agent_status_badge(client)
-    live_panels(client, sidebar_filters(client))
+    filters = sidebar_filters(client)
+    choice = st.selectbox("Headline over the last", list(HEADLINE_WINDOWS), index=1, key="overview_headline")
+    live_panels(client, filters, HEADLINE_WINDOWS[choice or "5 minutes"])
 
 
 @st.fragment(run_every=REFRESH_SECONDS)
-def live_panels(client: AgentClient, filters: Filters) -> None:
+def live_panels(client: AgentClient, filters: Filters, headline_seconds: int = 300) -> None:
     """The live part of the page; reruns on its own every :data:`REFRESH_SECONDS`."""
     try:
         rates = query(client, "hit_rate_timeseries", **filters.params())
         forms = query(client, "form_usable_timeseries", **filters.params())
+        headline = query(client, "headline", window_seconds=headline_seconds, engine_id=filters.engine, model=filters.model)
     except AgentError as exc:
         st.error(str(exc))
         return
@@ -82,7 +93,7 @@ def live_panels(client: AgentClient, filters: Filters) -> None:
         readiness_notice(check_agent(client))
         st.info(f"No requests in this window yet (agent at {client.base_url}).")
         return
-    _current_values(rates)
+    _headline(headline, headline_seconds)
     rates = rates.set_index("bucket")
     st.subheader("Recoverable vs raw hit rate")
     st.altair_chart(
@@ -95,7 +106,7 @@ def live_panels(client: AgentClient, filters: Filters) -> None:
         ),
         width="stretch",
     )
-    _lowest_bucket_link(rates, filters)
+    _widest_gap_link(rates, filters)
     st.subheader("Prompt tokens: recoverable / replayed / recomputed")
     tokens = rates[["recoverable_tokens", "replayed_tokens", "recomputed_tokens"]].rename(columns=lambda c: c.removesuffix("_tokens"))
     st.altair_chart(stacked_bars(tokens, "part", "prompt tokens"), width="stretch")
@@ -111,26 +122,28 @@ def live_panels(client: AgentClient, filters: Filters) -> None:
     _ingest_health(client, filters)
 
 
-def lowest_bucket(rates: pd.DataFrame) -> tuple[pd.Timestamp, float] | None:
-    """The bucket (index of ``rates``) with the lowest recoverable hit rate among those with prompt
-    tokens, and that rate; the latest such bucket on a tie; None when no bucket has a rate."""
-    rated = rates["recoverable_hit_rate"].dropna()
-    if rated.empty:
+def widest_gap_bucket(rates: pd.DataFrame) -> tuple[pd.Timestamp, float, float] | None:
+    """The bucket (index of ``rates``) with the widest raw − recoverable hit-rate gap among those
+    with prompt tokens, and its raw and recoverable rates; the latest such bucket on a tie; None
+    when no bucket has a rate."""
+    gap = (rates["raw_hit_rate"] - rates["recoverable_hit_rate"]).dropna()
+    if gap.empty:
         return None
-    lowest = rated[rated == rated.min()].index.max()
-    return lowest, float(rated[lowest])
+    widest = gap[gap == gap.max()].index.max()
+    return widest, float(rates.loc[widest, "raw_hit_rate"]), float(rates.loc[widest, "recoverable_hit_rate"])
 
 
-def _lowest_bucket_link(rates: pd.DataFrame, filters: Filters) -> None:
-    found = lowest_bucket(rates)
+def _widest_gap_link(rates: pd.DataFrame, filters: Filters) -> None:
+    found = widest_gap_bucket(rates)
     if found is None:
         return
-    bucket, rate = found
+    bucket, raw, recoverable = found
     end = unix_seconds(bucket) + filters.bucket_seconds
     start = max(unix_seconds(bucket), time.time() - filters.since_seconds)  # the window's first bucket is partial
     requests_link(
         filters,
-        f"The requests behind the lowest bucket: {pd.Timestamp(start, unit='s'):%H:%M:%S}–{pd.Timestamp(end, unit='s'):%H:%M:%S} UTC, {rate:.1%} recoverable",
+        f"The requests behind the widest raw − recoverable gap: {pd.Timestamp(start, unit='s'):%H:%M:%S}–{pd.Timestamp(end, unit='s'):%H:%M:%S} UTC, "
+        f"{raw:.1%} raw, {recoverable:.1%} recoverable",
         start=start,
         end=end,
     )
@@ -215,23 +228,28 @@ def _lines(wide: pd.DataFrame, series: str, value: str) -> alt.Chart:
     )
 
 
-def _current_values(rates: pd.DataFrame) -> None:
-    last = rates.iloc[-1]
-    previous = rates.iloc[-2] if len(rates) > 1 else None
+def _headline(headline: pd.DataFrame, window_seconds: int) -> None:
+    """Recoverable and raw hit rate over the trailing window, and the change from the window
+    before, both only with at least :data:`MIN_HEADLINE_PROMPT_TOKENS` prompt tokens."""
+    row = headline.iloc[0] if not headline.empty else None
+    label = next(name for name, seconds in HEADLINE_WINDOWS.items() if seconds == window_seconds)
 
-    def value(row: pd.Series | None, column: str) -> float | None:
-        return None if row is None or pd.isna(row[column]) else float(row[column])
+    def rates(prefix: str) -> tuple[float, float] | None:
+        if row is None or int(row[f"{prefix}prompt_tokens"]) < MIN_HEADLINE_PROMPT_TOKENS:
+            return None
+        prompt = int(row[f"{prefix}prompt_tokens"])
+        return int(row[f"{prefix}recoverable_tokens"]) / prompt, int(row[f"{prefix}hash_hit_tokens"]) / prompt
 
-    recoverable, raw = value(last, "recoverable_hit_rate"), value(last, "raw_hit_rate")
+    now, before = rates(""), rates("previous_")
+    prompt = 0 if row is None else int(row["prompt_tokens"])
     columns = st.columns(4)
-    columns[0].metric(
-        "Recoverable hit rate",
-        _percent(recoverable),
-        _delta_pp(recoverable, value(previous, "recoverable_hit_rate")),
-    )
-    columns[1].metric(
-        "Raw hit rate", _percent(raw), _delta_pp(raw, value(previous, "raw_hit_rate"))
-    )
-    gap = None if recoverable is None or raw is None else raw - recoverable
-    columns[2].metric("Raw − recoverable", _percent(gap))
-    columns[3].metric("Prompt tokens (last bucket)", f"{int(last['prompt_tokens']):,}")
+    if now is None:
+        columns[0].metric("Recoverable hit rate", "not enough traffic")
+        columns[1].metric("Raw hit rate", "not enough traffic")
+        columns[2].metric("Raw − recoverable", "n/a")
+        st.caption(f"{prompt:,} prompt tokens in the last {label}; the headline needs {MIN_HEADLINE_PROMPT_TOKENS:,}.")
+    else:
+        columns[0].metric("Recoverable hit rate", _percent(now[0]), _delta_pp(now[0], before[0] if before else None))
+        columns[1].metric("Raw hit rate", _percent(now[1]), _delta_pp(now[1], before[1] if before else None))
+        columns[2].metric("Raw − recoverable", _percent(now[1] - now[0]))
+    columns[3].metric(f"Prompt tokens (last {label})", f"{prompt:,}")

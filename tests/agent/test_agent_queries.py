@@ -218,3 +218,21 @@ def test_unknown_query_is_404_listing_known(loaded: TestClient) -> None:
     error = response.json()["error"]
     assert error["known"] == sorted(NAMED_QUERIES)
     assert error["reason"].startswith("unknown query 'everything'; known queries: alerts_recent, ")
+
+
+def test_headline_sums_the_trailing_window_and_the_one_before(client: TestClient) -> None:
+    import time
+
+    now = time.time()
+    events = [
+        request_event(now - 30, "a", prompt_tokens=1000, hash_hit_tokens=900, recoverable_tokens=600, recomputed_tokens=400),
+        request_event(now - 200, "b", prompt_tokens=3000, hash_hit_tokens=3000, recoverable_tokens=3000, recomputed_tokens=0),
+        request_event(now - 400, "c", prompt_tokens=2000, hash_hit_tokens=2000, recoverable_tokens=500, recomputed_tokens=1500),
+        request_event(now - 700, "d", prompt_tokens=5000, hash_hit_tokens=5000, recoverable_tokens=5000, recomputed_tokens=0),  # before both
+    ]
+    assert client.post("/v1/events", content=json_body(batch(1, events)), headers=JSON).json()["status"] == "stored"
+    assert rows(client, "headline", window_seconds=300) == [{
+        "requests": 2, "prompt_tokens": 4000, "hash_hit_tokens": 3900, "recoverable_tokens": 3600,
+        "previous_requests": 1, "previous_prompt_tokens": 2000, "previous_hash_hit_tokens": 2000, "previous_recoverable_tokens": 500,
+    }]  # fmt: skip
+    assert rows(client, "headline", window_seconds=60)[0]["prompt_tokens"] == 1000

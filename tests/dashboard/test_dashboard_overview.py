@@ -113,11 +113,13 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
     events, _ = metrics.pop("Events/s (last full bucket)")
     lag, _ = metrics.pop("Ingest lag p95 (last full bucket)")
     assert (events, lag) == ("0.0", "n/a") or (events == "0.4" and lag.endswith(" s"))  # 6 events / 15 s
+    # the headline: the trailing 5 minutes hold all three requests (sums, not the last bucket);
+    # nothing in the 5 minutes before, so no change is shown
     assert metrics == {
-        "Recoverable hit rate": ("75.0%", "+25.0 pp"),
-        "Raw hit rate": ("95.0%", "+45.0 pp"),
-        "Raw − recoverable": ("20.0%", None),
-        "Prompt tokens (last bucket)": ("4,000", None),
+        "Recoverable hit rate": ("66.7%", None),
+        "Raw hit rate": ("80.0%", None),
+        "Raw − recoverable": ("13.3%", None),
+        "Prompt tokens (last 5 minutes)": ("6,000", None),
         "Batches rejected": ("0", None),
         "Seq gaps detected": ("1", None),  # the batch came with seq 1: seq 0 never arrived
     }
@@ -141,14 +143,30 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
     (tokens,) = at.get("vega_lite_chart")[1].proto.datasets
     split = pa.ipc.open_stream(tokens.data.data).read_all().to_pandas()
     assert split.groupby("part")["prompt tokens"].sum().to_dict() == {"recoverable": 4000, "replayed": 0, "recomputed": 2000}
-    # the drill from the drop: the lowest bucket (r0's, 50 %) opens the Requests page on it
+    # the drill: the bucket with the widest raw − recoverable gap (r1 + r2's: 95 % raw, 75 %
+    # recoverable; r0's has none) opens the Requests page on it
     (link,) = at.get("page_link")
     assert link.proto.page == "requests"
     (dataset,) = at.get("vega_lite_chart")[0].proto.datasets
-    first = pa.ipc.open_stream(dataset.data.data).read_all().column("bucket")[0].as_py()
-    start = calendar.timegm(first.timetuple())  # r0's bucket (naive UTC), the chart's first
+    second = sorted(set(pa.ipc.open_stream(dataset.data.data).read_all().column("bucket").to_pylist()))[1]
+    start = calendar.timegm(second.timetuple())  # r1 and r2's bucket (naive UTC), the chart's second
     assert dict(parse_qsl(link.proto.query_string)) == {"window": "15 minutes", "form": "(all)", "start": str(start), "end": str(start + 15)}
-    assert link.proto.label.endswith(" UTC, 50.0% recoverable")
+    assert link.proto.label.endswith(" UTC, 95.0% raw, 75.0% recoverable")
+
+
+def test_a_headline_without_enough_traffic_says_so(agent_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the last minute the batch (two minutes old) left no prompt tokens: the headline says
+    "not enough traffic" and how many it saw, never 0 %."""
+    monkeypatch.setenv("KVSCOPE_AGENT_URL", agent_url)
+    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
+    at = AppTest.from_file(APP, default_timeout=30).run()
+    at.selectbox(key="overview_headline").set_value("1 minute").run()
+    assert not at.exception, [e.message for e in at.exception]
+    metrics = metrics_by_label(at)
+    assert metrics["Recoverable hit rate"] == ("not enough traffic", None)
+    assert metrics["Raw hit rate"] == ("not enough traffic", None)
+    assert metrics["Prompt tokens (last 1 minute)"] == ("0", None)
+    assert any(c.value == "0 prompt tokens in the last 1 minute; the headline needs 1,000." for c in at.caption)
 
 
 def test_overview_with_agent_down_shows_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 """The dashboard in a real browser (issue 8): Playwright for Python drives Debian's Chromium
 (``/usr/bin/chromium``; no browser download) against a ``kvscope up`` replaying the bundled real
 trace. Every page renders its charts or tables (waited for, never a fixed sleep), a filter change
-updates the page and the URL, the Overview's link from its lowest bucket opens the Requests page
+updates the page and the URL, the Overview's link from its widest raw − recoverable gap opens the Requests page
 on that bucket, and a screenshot of every page is saved under
 ``$KVSCOPE_ARTIFACTS`` (default ``test-artifacts/``) as the test's artifacts.
 
@@ -106,11 +106,11 @@ def test_every_page_renders_in_chromium(tmp_path: Path) -> None:
                 assert "window=5+minutes" in page.url, page.url
                 sync_api.expect(sidebar.locator('[data-testid="stSelectbox"]').first.get_by_role("combobox")).to_have_value("5 minutes", timeout=30_000)
                 page.screenshot(path=str(shots / "capacity-5-minutes.png"), full_page=True)
-                # the drill from a drop: the Overview's lowest bucket opens the Requests behind it
+                # the drill: the Overview's widest raw − recoverable gap opens the Requests behind it
                 page.goto(f"{dashboard_url}/?window=1+hour", wait_until="domcontentloaded")
                 page.wait_for_selector(PAGES[""], state="visible", timeout=90_000)
                 page.wait_for_selector(DONE, timeout=90_000)
-                page.get_by_role("link", name="The requests behind the lowest bucket").click()
+                page.get_by_role("link", name="The requests behind the widest raw − recoverable gap").click()
                 page.wait_for_url("**/requests?**start=**", timeout=30_000)
                 page.wait_for_selector(PAGES["requests"], state="visible", timeout=90_000)
                 page.wait_for_selector(DONE, timeout=90_000)
@@ -119,7 +119,7 @@ def test_every_page_renders_in_chromium(tmp_path: Path) -> None:
                 caption = page.get_by_text("requests in ", exact=False).first
                 assert " UTC, newest first." in caption.inner_text(), caption.inner_text()
                 assert page.locator('[data-testid="stException"]').count() == 0
-                page.screenshot(path=str(shots / "requests-lowest-bucket.png"), full_page=True)
+                page.screenshot(path=str(shots / "requests-widest-gap.png"), full_page=True)
             finally:
                 browser.close()
     finally:
