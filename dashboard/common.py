@@ -200,10 +200,15 @@ def unix_seconds(bucket: pd.Timestamp) -> float:
     return float((bucket - pd.Timestamp(0)).total_seconds())
 
 
+TIME_LABELS = "utcFormat(datum.value, utchours(datum.value) == 0 && utcminutes(datum.value) == 0 ? '%m-%d' : '%H:%M')"
+"""Time tick labels on a 24-hour clock (``19:48``, never ``07:48`` or ``08 PM``), the date at
+midnight: Vega's default multi-format uses a 12-hour clock."""
+
+
 def time_x(field: str = "bucket") -> alt.X:
     """The time axis of every chart: UTC, as the agent stores and the tables show (Vega-Lite
-    would otherwise draw the browser's local time)."""
-    return alt.X(f"{field}:T", title="UTC", scale=alt.Scale(type="utc"))
+    would otherwise draw the browser's local time), labelled on a 24-hour clock (:data:`TIME_LABELS`)."""
+    return alt.X(f"{field}:T", title="UTC", scale=alt.Scale(type="utc"), axis=alt.Axis(labelExpr=TIME_LABELS))
 
 
 def time_tooltip(field: str = "bucket") -> alt.Tooltip:

@@ -139,6 +139,8 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
     for chart in at.get("vega_lite_chart")[:3]:
         x = json.loads(chart.proto.spec)["encoding"]["x"]
         assert (x["type"], x["scale"]["type"], x["title"]) == ("temporal", "utc", "UTC")
+        # 24-hour tick labels ("19:48"), the date at midnight; never Vega's 12-hour default
+        assert "'%H:%M'" in x["axis"]["labelExpr"] and "%I" not in x["axis"]["labelExpr"] and "%p" not in x["axis"]["labelExpr"]
     # the tokens split: stacked bars per bucket
     (tokens,) = at.get("vega_lite_chart")[1].proto.datasets
     split = pa.ipc.open_stream(tokens.data.data).read_all().to_pandas()
