@@ -149,6 +149,31 @@ class RankProcesses:
             raise failure
         return replies
 
+    def lockstep(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], here: Callable[[], Any]) -> tuple[Any, list[Any]]:
+        """Send ``name(*args, **kwargs)`` to every worker, run ``here()`` on rank 0, then await
+        every reply: ``(here's result, the workers' replies)``. A collective that failed marks the
+        engine failed, naming the dead worker.
+
+        Raises:
+            RankFailed: a worker died, hung or failed where rank 0 did not.
+        """
+        with self.lock:
+            self.depth += 1
+            try:
+                self.send(name, args, kwargs)
+                try:
+                    result = here()
+                except RankFailed as exc:
+                    self.collect(raise_errors=False)
+                    self.failed = self.failed or self.named(exc)
+                    raise self.failed from exc
+                except BaseException:
+                    self.collect(raise_errors=False)
+                    raise
+                return result, self.collect()
+            finally:
+                self.depth -= 1
+
     def named(self, exc: RankFailed) -> RankFailed:
         """``exc`` naming the dead worker when the collective that failed could not say which."""
         dead = self.dead()
@@ -202,25 +227,11 @@ def runs_on_every_rank(*local_only: str) -> Callable[[F], F]:
             ranks: RankProcesses | None = None if engine_ranks is None else engine_ranks.workers
             if ranks is None:
                 return method(self, *args, **kwargs)
-            with ranks.lock:
-                if ranks.depth:
+            with ranks.lock:  # re-entrant: the depth is this thread's own call
+                if ranks.depth:  # inside a call every rank already runs
                     return method(self, *args, **kwargs)
-                ranks.depth += 1
-                try:
-                    ranks.send(method.__name__, args, {k: v for k, v in kwargs.items() if k not in local_only})
-                    try:
-                        result = method(self, *args, **kwargs)
-                    except RankFailed as exc:
-                        ranks.collect(raise_errors=False)
-                        ranks.failed = ranks.failed or ranks.named(exc)
-                        raise ranks.failed from exc
-                    except BaseException:
-                        ranks.collect(raise_errors=False)
-                        raise
-                    ranks.collect()
-                    return result
-                finally:
-                    ranks.depth -= 1
+                shared = {k: v for k, v in kwargs.items() if k not in local_only}
+                return ranks.lockstep(method.__name__, args, shared, lambda: method(self, *args, **kwargs))[0]
 
         return call  # type: ignore[return-value]
 
@@ -230,22 +241,8 @@ def runs_on_every_rank(*local_only: str) -> Callable[[F], F]:
 def run_on_every_rank(ranks: RankProcesses, target: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> list[Any]:
     """``fn(target, *args)`` on rank 0 (``target``: its ``LLM``) and on every worker (their
     own), in rank order; ``fn`` must be picklable (a module-level function)."""
-    with ranks.lock:
-        ranks.depth += 1
-        try:
-            ranks.send(_CALL, (fn, *args), {})
-            try:
-                mine = fn(target, *args)
-            except RankFailed as exc:
-                ranks.collect(raise_errors=False)
-                ranks.failed = ranks.failed or ranks.named(exc)
-                raise ranks.failed from exc
-            except BaseException:
-                ranks.collect(raise_errors=False)
-                raise
-            return [mine, *ranks.collect()]
-        finally:
-            ranks.depth -= 1
+    mine, theirs = ranks.lockstep(_CALL, (fn, *args), {}, lambda: fn(target, *args))
+    return [mine, *theirs]
 
 
 def _worker_main(spec: RankSpec, factory: Callable[..., Any], llm_kwargs: dict[str, Any], conn: Connection) -> None:
