@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test services lint pytest install clean
+.PHONY: demo test services lint pytest install clean grafana
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ lint: $(STAMP)
 
 pytest: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+## Regenerate the Grafana dashboard (dashboards/grafana/kvscope.json) from kvscope/grafana_dashboard.py.
+grafana: $(STAMP)
+	$(BIN)/python -m kvscope.grafana_dashboard
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -30,6 +30,10 @@ they share.
 * ``GET /v1/alerts/missed-evaluations`` — rule-group evaluations that were due and did not run
   since the agent started (:mod:`alerts.missed_evaluations`): ``{"missed": [{"group",
   "reason", "count", "last_due_at"}]}``; 503 when no rule scheduler runs beside the app.
+* ``GET /v1/alerts/rules`` — each rule's last evaluation (:mod:`alerts.rule_health`):
+  ``{"rules": [{"alert", "kind", "evaluated_at", "series", "no_data": [{"labels", "detail",
+  "since"}]}]}`` — a series without enough volume to judge, with the volume it saw; 503 when no
+  rule scheduler runs beside the app.
 * ``GET /v1/silences`` — every silence not expired more than a day ago, with its ``state``
   (pending, active, expired); ``POST /v1/silences`` — ``{"matchers": ["engine=\"e1\""],
   "ends_at": unix s | "duration": "2h", "starts_at": unix s?, "created_by": str, "comment": str}``
@@ -189,6 +193,7 @@ def create_app(
     app.state.active_alerts = None
     """Set by :func:`agent.server.serve`: the rule scheduler's pending and firing alerts."""
     app.state.missed_evaluations = None
+    app.state.rule_health = None
     """Set by :func:`agent.server.serve`: the rule scheduler's missed-evaluation counts."""
 
     token = resolve_token(config, environ)

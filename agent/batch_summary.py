@@ -17,7 +17,8 @@ import pyarrow.compute as pc
 
 from agent.bulk_histogram import bucket_counts
 from agent.ingest import RECOVERING_OUTCOMES, RECOVERY_BUCKETS
-from engine.events import Outcome, Reason
+from agent.sync_delay_metrics import SYNC_DELAY_SECONDS_BUCKETS, SYNC_DELAY_TOKEN_BUCKETS
+from engine.events import Form, Outcome, Reason
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds (seconds) of ``kvscope_request_ttft_seconds``."""
@@ -36,7 +37,9 @@ class BatchSummary:
     ``requests``: (engine, model) → count and prompt / hash-hit / recoverable / replayed /
     recomputed token sums; ``ttft``: (engine, model) → TTFT bucket counts and sum;
     ``disagreements``: (engine, model, form, tp_rank) → lookups whose reason is ``tp_disagree``
-    (``tp_rank``: the tensor-parallel rank that held the form back); ``ts_micros``:
+    (``tp_rank``: the tensor-parallel rank that held the form back); ``sync_delay_tokens`` /
+    ``sync_delay_seconds``: (engine, model, layer_group) → the ``indexer_state`` lookups'
+    indexer sync-delay bucket counts and sum (:mod:`agent.sync_delay_metrics`); ``ts_micros``:
     every event's ``ts`` (for the ingest lag once the commit time is known). Every label tuple
     starts with (engine, model).
     """
@@ -47,6 +50,8 @@ class BatchSummary:
     recovery: list[tuple[Labels, list[int], float]] = field(default_factory=list)
     requests: list[tuple[Labels, int, int, int, int, int, int]] = field(default_factory=list)
     ttft: list[tuple[Labels, list[int], float]] = field(default_factory=list)
+    sync_delay_tokens: list[tuple[Labels, list[int], float]] = field(default_factory=list)
+    sync_delay_seconds: list[tuple[Labels, list[int], float]] = field(default_factory=list)
     ts_micros: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
@@ -87,6 +92,10 @@ def summarize_tables(tables: Mapping[str, pa.Table]) -> BatchSummary:
         summary.recovery.extend(
             _histogram_groups(recovering, ("engine_id", "model", "form", "tier"), "recovery_seconds", RECOVERY_BUCKETS)
         )
+        indexed = lookups.filter(pc.equal(lookups["form"], Form.INDEXER_STATE.value))
+        keys = ["engine_id", "model", "layer_group"]
+        summary.sync_delay_tokens.extend(_histogram_groups(indexed, keys, "indexer_sync_delay_tokens", SYNC_DELAY_TOKEN_BUCKETS))
+        summary.sync_delay_seconds.extend(_histogram_groups(indexed, keys, "indexer_sync_delay_seconds", SYNC_DELAY_SECONDS_BUCKETS))
     requests = tables.get("requests")
     if requests is not None:
         aggregations = [([], "count_all"), *((name, "sum") for name in _REQUEST_SUMS)]

@@ -148,6 +148,15 @@ class AgentClient:
         """
         return list(self._json("GET", "/v1/alerts/missed-evaluations")["missed"])
 
+    def rule_health(self) -> list[dict[str, Any]]:
+        """``GET /v1/alerts/rules``: per rule, its last evaluation and the series it had no data
+        for, each with the volume it saw (``detail``).
+
+        Raises:
+            AgentError: unreachable, or no rule scheduler runs in the agent.
+        """
+        return list(self._json("GET", "/v1/alerts/rules")["rules"])
+
     def silences(self) -> list[dict[str, Any]]:
         """``GET /v1/silences``.
 

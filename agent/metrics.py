@@ -18,7 +18,8 @@ Histograms fed from whole flushes (thousands of events at once) are :class:`Bulk
 collectors: one ``numpy.searchsorted`` per flush instead of one ``observe`` call per event.
 ``kvscope_recovery_seconds`` observes the lookups that recovered or replayed state (outcome
 ``recovered`` or ``replayed``), by form and tier; ``kvscope_request_ttft_seconds`` every
-request; ``kvscope_ingest_lag_seconds`` every stored event's commit time minus its ``ts``.
+request; ``kvscope_ingest_lag_seconds`` every stored event's commit time minus its ``ts``;
+``kvscope_indexer_sync_delay_tokens`` / ``_seconds`` every ``indexer_state`` lookup (their module).
 
 The agent's own ingest health: ``kvscope_ingest_batches_total{status}``,
 ``kvscope_ingest_events_total{kind}``, ``kvscope_ingest_rejected_batches_total{reason}``
@@ -48,8 +49,8 @@ The process: ``process_resident_memory_bytes``, ``process_start_time_seconds`` a
 so a slow scrape never holds the event loop (ingest, ``/healthz``).
 
 Split out: :class:`BulkHistogram` and :func:`bucket_counts` (:mod:`agent.bulk_histogram`),
-:class:`BatchSummary` and :func:`summarize_tables` (:mod:`agent.batch_summary`); they are
-importable from here as before.
+:class:`BatchSummary` and :func:`summarize_tables` (:mod:`agent.batch_summary`), importable from
+here as before; the indexer sync-delay histograms (:mod:`agent.sync_delay_metrics`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from agent.bulk_histogram import BulkHistogram, bucket_counts
 from agent.ingest import RECOVERY_BUCKETS, IngestOutcome
 from agent.label_cap import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_VALUES, LabelCap, SeriesFolder
 from agent.process_metrics import SourcedGauge, register_process_collector
+from agent.sync_delay_metrics import SyncDelayHistograms
 
 __all__ = [
     "LAG_BUCKETS",
@@ -261,6 +263,7 @@ class AgentMetrics:
             LAG_BUCKETS,
             r,
         )
+        self.sync_delay = SyncDelayHistograms(r)
         self.recoverable_hit_ratio = Gauge(
             "kvscope_recoverable_hit_ratio",
             "Recoverable hit rate over the last minute (ratio of token sums), set by the "
@@ -290,6 +293,7 @@ class AgentMetrics:
             self.request_ttft_seconds,
         ):
             metric.remove_by_labels({label: value})
+        self.sync_delay.forget(label, value)
         position = CAPPED_LABELS.index(label)
         with self._ratio_lock:
             gone = {key for key in self._ratio_series if key[position] == value}
@@ -355,6 +359,7 @@ class AgentMetrics:
             self.tp_disagreements.labels(*labels).inc(count)
         for labels, (counts, total) in fold.histograms(summary.recovery).items():
             self.recovery_seconds.add_counts(labels, counts, total)
+        self.sync_delay.observe(fold, summary.sync_delay_tokens, summary.sync_delay_seconds)
         request_counters = (
             self.requests,
             self.prompt_tokens,

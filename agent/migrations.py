@@ -308,6 +308,15 @@ MIGRATIONS: tuple[Migration, ...] = (
         # rows stored before read [] (no ties recorded), like a request no form limited
         statements=("ALTER TABLE requests ADD COLUMN limiting_forms VARCHAR[] DEFAULT []",),
     ),
+    Migration(
+        version=10,
+        name="cache_lookups: the indexer's sync delay behind the compressed KV boundary (tokens, seconds)",
+        # rows stored before read 0: in sync (the engines that sent them did not measure it)
+        statements=(
+            "ALTER TABLE cache_lookups ADD COLUMN indexer_sync_delay_tokens BIGINT DEFAULT 0",
+            "ALTER TABLE cache_lookups ADD COLUMN indexer_sync_delay_seconds DOUBLE DEFAULT 0",
+        ),
+    ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""
 

@@ -2,8 +2,9 @@
 
 The public entry point: :data:`NAMED_QUERIES` and :func:`get_query`, re-exporting the machinery
 (:mod:`agent.named_query`) and every query constant, which are defined by concept in
-:mod:`agent.queries_cache` (requests and cache lookups), :mod:`agent.queries_capacity` (device
-memory, what-if, GPU) and :mod:`agent.queries_ops` (schema, engines, alerts, ingest).
+:mod:`agent.queries_cache` (requests and cache lookups), :mod:`agent.queries_loss` (tokens lost by limiting form and
+reason), :mod:`agent.queries_capacity` (device memory, what-if, GPU), :mod:`agent.queries_indexer` (the CSA
+indexer's sync delay) and :mod:`agent.queries_ops` (schema, engines, alerts, ingest).
 
 Each :class:`NamedQuery` is fixed SQL with DuckDB ``$name`` prepared parameters — user input is
 bound, never formatted into the text — and declares its parameters with a type, a default and a
@@ -50,6 +51,8 @@ from agent.queries_capacity import (
     FORM_GHOSTS,
     GPU_TIMESERIES,
 )
+from agent.queries_indexer import INDEXER_SYNC_DELAY, INDEXER_SYNC_DELAY_SERIES
+from agent.queries_loss import TOKENS_LOST
 from agent.queries_ops import ALERTS_RECENT, ENGINES, INGEST_HEALTH, INGEST_SEQ_GAPS, SCHEMA
 
 __all__ = [
@@ -66,6 +69,8 @@ __all__ = [
     "GPU_TIMESERIES",
     "HEADLINE",
     "HIT_RATE_TIMESERIES",
+    "INDEXER_SYNC_DELAY",
+    "INDEXER_SYNC_DELAY_SERIES",
     "INGEST_HEALTH",
     "INGEST_SEQ_GAPS",
     "LIMITING_FORMS",
@@ -75,6 +80,7 @@ __all__ = [
     "RECENT_REQUESTS",
     "REQUEST_LOOKUPS",
     "SCHEMA",
+    "TOKENS_LOST",
     "TOTALS",
     "BadParam",
     "NamedQuery",
@@ -109,6 +115,9 @@ NAMED_QUERIES: Mapping[str, NamedQuery] = MappingProxyType(
             FORM_GHOSTS,
             GPU_TIMESERIES,
             INGEST_HEALTH,
+            TOKENS_LOST,
+            INDEXER_SYNC_DELAY,
+            INDEXER_SYNC_DELAY_SERIES,
         )
     }
 )

@@ -173,7 +173,7 @@ RECENT_REQUESTS = NamedQuery(
     description=(
         "The latest requests, newest first; optionally only those in the last since_seconds, "
         "with ts in [start_ts, end_ts) (unix seconds: one chart bucket), limited by one form "
-        "(the named limiting_form, not any form of a tie), or whose request id contains search "
+        "(the named limiting_form, not any form of a tie) and/or one reason (limiting_reason), or whose request id contains search "
         "(case-insensitive). limiting_forms lists every form tied as limiting ([] when none, or "
         "for rows stored before schema 9)."
     ),
@@ -185,6 +185,7 @@ RECENT_REQUESTS = NamedQuery(
       AND ($start_ts::DOUBLE IS NULL OR ts >= make_timestamp(($start_ts::DOUBLE * 1e6)::BIGINT))
       AND ($end_ts::DOUBLE IS NULL OR ts < make_timestamp(($end_ts::DOUBLE * 1e6)::BIGINT))
       AND ($limiting_form::VARCHAR IS NULL OR limiting_form = $limiting_form)
+      AND ($limiting_reason::VARCHAR IS NULL OR limiting_reason = $limiting_reason)
       AND ($search::VARCHAR IS NULL OR contains(lower(request_id), lower($search)))
     ORDER BY ts DESC, request_id
     LIMIT $limit
@@ -197,6 +198,7 @@ RECENT_REQUESTS = NamedQuery(
         QueryParam(name="start_ts", kind=float, minimum=0, maximum=2**33, description="only requests at or after (unix seconds)"),
         QueryParam(name="end_ts", kind=float, minimum=0, maximum=2**33, description="only requests before (unix seconds)"),
         QueryParam(name="limiting_form", kind=str, description="only requests this form limited"),
+        QueryParam(name="limiting_reason", kind=str, description="only requests whose resume point stopped for this reason"),
         QueryParam(name="search", kind=str, description="part of the request id (case-insensitive)"),
     ),
     columns=(

@@ -59,8 +59,9 @@ CAPACITY_TIMESERIES = NamedQuery(
 CAPACITY_LATEST = NamedQuery(
     name="capacity_latest",
     description=(
-        "Per form and tier: each engine's latest stats snapshot in the window, summed over engines "
-        "(bytes and blocks used, cached, free, total)."
+        "Per form and tier: each engine's latest stats snapshot in the window, summed over the "
+        "engines seen in the last recent_seconds (default 300; an engine that stopped sending "
+        "stats earlier is left out) — bytes and blocks used, cached, free, total."
     ),
     sql=f"""
     WITH {_SNAPSHOTS},
@@ -71,6 +72,7 @@ CAPACITY_LATEST = NamedQuery(
                arg_max(total_blocks, ts) AS total_blocks
         FROM snapshots
         GROUP BY ALL
+        HAVING max(ts) >= $now - to_seconds($recent_seconds::BIGINT)
     )
     SELECT form, tier, sum(used_bytes)::BIGINT AS used_bytes, sum(used_blocks)::BIGINT AS used_blocks,
            sum(cached_blocks)::BIGINT AS cached_blocks, sum(free_blocks)::BIGINT AS free_blocks,
@@ -79,7 +81,12 @@ CAPACITY_LATEST = NamedQuery(
     GROUP BY ALL
     ORDER BY form, tier
     """,
-    params=(SINCE_PARAM, engine_param(), MODEL_PARAM),
+    params=(
+        SINCE_PARAM,
+        engine_param(),
+        MODEL_PARAM,
+        QueryParam(name="recent_seconds", kind=int, default=300, minimum=1, maximum=366 * 86400, description="only engines with a snapshot this recent"),
+    ),
     columns=("form", "tier", "used_bytes", "used_blocks", "cached_blocks", "free_blocks", "total_blocks", "engines"),
 )
 

@@ -1,5 +1,6 @@
-"""The alert routes: ``GET /v1/alerts``, ``GET /v1/alerts/missed-evaluations`` (from the rule
-scheduler :func:`agent.server.serve` runs beside the app) and the silences
+"""The alert routes: ``GET /v1/alerts``, ``GET /v1/alerts/missed-evaluations``,
+``GET /v1/alerts/rules`` (each rule's last evaluation and its series without data, with the
+volume they saw: :mod:`alerts.rule_health`) (from the rule scheduler :func:`agent.server.serve` runs beside the app) and the silences
 (``GET``/``POST /v1/silences``, ``DELETE /v1/silences/{id}``). Contracts: :mod:`agent.app`."""
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ def alert_routes(*, config: AgentConfig, state: Any, current_store: Callable[[],
         if source is None:
             raise ApiError(503, "no rule scheduler runs in this process")
         return JSONResponse({"missed": source()})
+
+    @router.get("/v1/alerts/rules")
+    async def rule_health() -> JSONResponse:
+        source = state.rule_health
+        if source is None:
+            raise ApiError(503, "no rule scheduler runs in this process")
+        return JSONResponse({"rules": source()})
 
     @router.get("/v1/silences")
     async def list_silences() -> JSONResponse:

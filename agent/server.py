@@ -92,6 +92,7 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
         )
         app.state.active_alerts = rule_scheduler.active_alerts
         app.state.missed_evaluations = rule_scheduler.missed.counts
+        app.state.rule_health = lambda: rule_scheduler.health.snapshot(list(rule_scheduler.rules.rules))
         maintenance.start(parent_pid=parent_pid, on_parent_exit=lambda: setattr(server, "should_exit", True))
         try:
             rule_scheduler.start()

@@ -35,3 +35,11 @@ def parse_duration(text: object) -> float:
     if seconds > MAX_DURATION_SECONDS:
         raise ValueError(f"{text!r} is longer than 100 years")
     return float(seconds)
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as the rule file writes them: the largest whole unit (``5m``, ``1h``, ``90s``)."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"

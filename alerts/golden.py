@@ -16,6 +16,7 @@ that step; ``_xn``: nothing, n times)::
       - lookups: {engine: e1, model: m1, form: swa_window, tier: device, outcome: invalidated, reason: window_evicted}
         count: "100x179"                       # lookup events per step
         recovery_seconds: "0x179"              # each one's recovery latency
+        # optional, indexer_state lookups: indexer_sync_delay_tokens, indexer_sync_delay_seconds
     expected:                                  # optional: the run fails unless exactly these happen
       - {at: 1h5m, alert: RecoverableHitRateDrop, status: firing, labels: {engine: e1}}
 
@@ -83,10 +84,11 @@ def _events_by_batch(spec: SeriesFile, start: float) -> list[tuple[float, str, l
             else:
                 count = s.values["count"][i]
                 latency = s.values.get("recovery_seconds", [0.0] * length)[i]
+                delay = {name: s.values[name][i] or 0 for name in ("indexer_sync_delay_tokens", "indexer_sync_delay_seconds") if name in s.values}
                 if count is None:
                     continue
                 for k in range(int(count)):
-                    batches[(at, engine)].append(_lookup_event(at, s.labels, f"s{n}-{i}-{k}", latency or 0.0))
+                    batches[(at, engine)].append(_lookup_event(at, s.labels, f"s{n}-{i}-{k}", latency or 0.0, delay))
     return [(at + 1.0, engine, events) for (at, engine), events in sorted(batches.items())]
 
 
@@ -99,13 +101,15 @@ def _request_event(at: float, engine: str, model: str, request_id: str, p: int, 
     }  # fmt: skip
 
 
-def _lookup_event(at: float, labels: Mapping[str, str], request_id: str, recovery: float) -> dict[str, Any]:
+def _lookup_event(at: float, labels: Mapping[str, str], request_id: str, recovery: float, delay: Mapping[str, float]) -> dict[str, Any]:
     return {
         "kind": "cache_lookup", "ts": at + 0.5, "engine_id": labels["engine"], "request_id": request_id,
         "model": labels["model"], "form": labels["form"], "tier": labels["tier"], "outcome": labels["outcome"],
         "reason": labels["reason"], "hash_hit_tokens": 16, "usable_tokens": 16,
         "recoverable_tokens": 0 if labels["outcome"] == "invalidated" else 16, "recovery_seconds": recovery,
         "tp_rank": int(labels.get("tp_rank", "0")),
+        "indexer_sync_delay_tokens": int(delay.get("indexer_sync_delay_tokens", 0)),
+        "indexer_sync_delay_seconds": float(delay.get("indexer_sync_delay_seconds", 0.0)),
     }  # fmt: skip
 
 

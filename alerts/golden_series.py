@@ -100,9 +100,12 @@ _REQUEST_LABELS = {"engine", "model"}
 _LOOKUP_LABELS = {"engine", "model", "form", "tier", "outcome", "reason"}
 _OPTIONAL_LABELS = {"requests": set(), "lookups": {"tp_rank"}}
 """Labels a series may add (a lookup's tensor-parallel rank, 0 when absent)."""
+_SYNC_DELAY = ("indexer_sync_delay_tokens", "indexer_sync_delay_seconds")
+"""Optional values of ``indexer_state`` lookups: each one's indexer sync delay (0 when absent)."""
+_SECONDS = {"recovery_seconds", "indexer_sync_delay_seconds"}
 _KINDS = {
     "requests": (_REQUEST_LABELS, {"prompt_tokens", "recoverable_tokens"}, {"prompt_tokens", "recoverable_tokens"}),
-    "lookups": (_LOOKUP_LABELS, {"count", "recovery_seconds"}, {"count"}),
+    "lookups": (_LOOKUP_LABELS, {"count", "recovery_seconds", *_SYNC_DELAY}, {"count"}),
 }
 
 
@@ -161,7 +164,7 @@ def parse_series(raw: object, *, source: str = "<series>") -> SeriesFile:
         for name, vals in values.items():
             if any(v is not None and v < 0 for v in vals):
                 raise GoldenError(f"{where}: field {name}: values must be >= 0")
-            if name != "recovery_seconds" and any(v is not None and v != int(v) for v in vals):
+            if name not in _SECONDS and any(v is not None and v != int(v) for v in vals):
                 raise GoldenError(f"{where}: field {name}: token counts and lookup counts are whole numbers")
         if kind == "lookups" and any(v is not None and v > MAX_LOOKUPS_PER_STEP for v in values["count"]):
             raise GoldenError(f"{where}: field count: at most {MAX_LOOKUPS_PER_STEP} lookups per step")

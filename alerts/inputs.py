@@ -6,7 +6,11 @@ Windows end at ``now − lag`` (late events are allowed for by the ingest lag) a
 
 * ``recoverable_hit_rate_drop`` — per (engine, model) from ``requests``: Σ recoverable and
   Σ prompt tokens over the window, and over the baseline (the ``baseline_window`` before it, or
-  the same window 24 h earlier);
+  the same window 24 h earlier). The trailing baseline of a series whose alert is pending or
+  firing is **anchored**: it is the ``baseline_window`` before the window of the evaluation at
+  which the condition turned true (``anchors``: the alert's ``active_since``), not the one before
+  now — so an outage never fills its own baseline, and a resolve needs the rate back within the
+  clear thresholds of the rate before the outage (:func:`anchored_baselines`);
 * ``recoverable_hit_rate_below`` — the same sums over each burn window's long and short window;
 * ``tp_rank_disagreement`` — per (engine, form, tp_rank) from ``cache_lookups``: the window's
   ``tp_disagree`` lookups (0 for a series seen in the hour before, so its alert can resolve);
@@ -38,7 +42,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 
 import pyarrow as pa
@@ -48,6 +52,7 @@ from agent.ingest import RECOVERING_SQL, RECOVERY_BUCKETS
 from agent.migrations import bucket_column
 from agent.store import Store, to_timestamp
 from alerts.rule_eval import (
+    AlertState,
     BurnInput,
     CountInput,
     Data,
@@ -56,6 +61,7 @@ from alerts.rule_eval import (
     SeriesInput,
     ShareInput,
     SilenceInput,
+    Status,
     Tokens,
 )
 from alerts.rulefile import (
@@ -124,9 +130,12 @@ def collect_inputs(
     row_limit: int = 10_000,
     timeout_seconds: float = 10.0,
     running: RunningQueries | None = None,
+    anchors: Mapping[str, Mapping[tuple[tuple[str, str], ...], float]] | None = None,
 ) -> Data:
     """Every rule's series inputs at ``now`` (unix seconds). ``running``: the rules' queries still
-    running (the scheduler's, kept across evaluations); ``None``: a fresh one.
+    running (the scheduler's, kept across evaluations); ``None``: a fresh one. ``anchors``: rule
+    name → series → when its alert's condition turned true (unix seconds; pending or firing
+    alerts), which anchors a trailing drop baseline there (:func:`anchored_baselines`).
 
     Raises:
         ExprError: an expr rule's query failed, returned no ``value`` column, or is still running
@@ -148,6 +157,8 @@ def collect_inputs(
                 base = (start - DAY, end - DAY)
             current = _token_sums(store, start, end)
             baseline = _token_sums(store, *base)
+            if settings.baseline == "trailing":
+                baseline.update(anchored_baselines(store, settings, (anchors or {}).get(rule.alert, {}), lag_seconds))
             data[rule.alert] = {
                 key: DropInput(current.get(key, Tokens(0, 0)), baseline.get(key, Tokens(0, 0)))
                 for key in current.keys() | baseline.keys()
@@ -171,6 +182,27 @@ def collect_inputs(
         else:  # pragma: no cover - the loader admits nothing else
             raise AssertionError(f"rule {rule.alert}: nothing to collect for kind {rule.kind}")
     return data
+
+
+def activation_anchors(states: Iterable[AlertState], alert: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """For ``collect_inputs``'s ``anchors``: series → ``active_since`` of ``alert``'s pending or
+    firing alerts among ``states``."""
+    live = (Status.PENDING, Status.FIRING)
+    return {st.series: st.active_since for st in states if st.alert == alert and st.status in live and st.active_since is not None}
+
+
+def anchored_baselines(
+    store: Store, settings: HitRateDrop, anchors: Mapping[tuple[tuple[str, str], ...], float], lag_seconds: float
+) -> dict[tuple[tuple[str, str], ...], Tokens]:
+    """Per anchored series (labels → ``active_since``, unix seconds): its token sums over the
+    ``baseline_window`` before the window evaluated at ``active_since`` — the baseline its alert
+    fired against, kept while the alert is pending or firing. A series without requests there
+    has an empty baseline (no data)."""
+    out: dict[tuple[tuple[str, str], ...], Tokens] = {}
+    for key, active_since in anchors.items():
+        start = active_since - lag_seconds - settings.window
+        out[key] = _token_sums(store, start - settings.baseline_window, start).get(key, Tokens(0, 0))
+    return out
 
 
 def _key(**labels: object) -> tuple[tuple[str, str], ...]:

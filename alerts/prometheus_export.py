@@ -23,11 +23,15 @@ seconds of silence.
 * ``recovery_latency_high`` — ``histogram_quantile`` over ``kvscope_recovery_seconds_bucket``.
 * ``tp_rank_disagreement`` — ``increase(kvscope_tp_disagreements_total)`` per (engine, form,
   tp_rank) over the window, at least ``min_disagreements`` (the same count kvscope reports).
+* ``indexer_sync_delay`` — the ``indexer_state`` lookups of the window above ``threshold_tokens``
+  per (engine, model, layer_group): ``increase`` of ``kvscope_indexer_sync_delay_tokens_count``
+  minus that of its ``le`` bucket at the threshold, above 0 — the same series fire, but the
+  PromQL value is that count of lookups, not kvscope's largest delay in tokens.
 * ``ingest_stalled`` / ``engine_silent`` — no stored batch, or no finished request of an engine,
   within ``silent_for`` (``increase(...) == 0``).
 
-``expr`` rules (SQL or named queries over the agent's tables) have no PromQL equivalent and are
-left out, each named in a comment at the top. Every exported file passes ``promtool check rules``.
+``expr`` rules (SQL or named queries over the agent's tables; not a kind evaluated by its named
+query) have no PromQL equivalent and are left out, each named in a comment at the top. Every exported file passes ``promtool check rules``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import yaml
 from alerts.rulefile import (
     HitRateBelow,
     HitRateDrop,
+    IndexerSyncDelay,
     InvalidationSpike,
     RankDisagreement,
     RecoveryLatencyHigh,
@@ -125,6 +130,14 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
     if isinstance(s, RankDisagreement):
         window = duration(s.window)
         return [({}, f'sum by (engine, form, tp_rank) (increase(kvscope_tp_disagreements_total[{window}])) >= {s.min_disagreements}')]
+    if isinstance(s, IndexerSyncDelay):
+        window, by = duration(s.window), "sum by (engine, model, layer_group)"
+        le = repr(float(s.threshold_tokens))  # the exposition's le label of that bound
+        expr = (
+            f"{by} (increase(kvscope_indexer_sync_delay_tokens_count[{window}]))"
+            f'\n- {by} (increase(kvscope_indexer_sync_delay_tokens_bucket{{le="{le}"}}[{window}])) > 0'
+        )
+        return [({}, expr)]
     if isinstance(s, RecoveryLatencyHigh):
         window = duration(s.window)
         expr = (
@@ -144,7 +157,7 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
 
 def export_prometheus(rules: RuleFile) -> str:
     """The Prometheus rule file (YAML text) equivalent to ``rules``' built-in rules."""
-    skipped = [rule.alert for rule in rules.rules if rule.expr is not None]
+    skipped = [rule.alert for rule in rules.rules if rule.kind is None]
     groups = []
     for group in rules.groups:
         exported = []

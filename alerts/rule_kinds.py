@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agent.ingest import RECOVERY_BUCKETS
-from alerts.durations import SEVERITIES, parse_duration
+from agent.sync_delay_metrics import SYNC_DELAY_TOKEN_BUCKETS
+from alerts.durations import SEVERITIES, format_duration, parse_duration
 
 
 def _duration_field(default: str) -> Any:
@@ -65,7 +66,7 @@ class BurnWindow:
     @property
     def label(self) -> str:
         """The ``window`` label of its alerts: ``1h/5m``."""
-        return f"{_compact(self.long)}/{_compact(self.short)}"
+        return f"{format_duration(self.long)}/{format_duration(self.short)}"
 
     def __post_init__(self) -> None:
         if not 0 < self.short < self.long:
@@ -74,13 +75,6 @@ class BurnWindow:
             raise ValueError(f"burn_rate must be a finite number > 0, got {self.burn_rate}")
         if self.severity not in SEVERITIES:
             raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, got {self.severity!r}")
-
-
-def _compact(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
 
 
 DEFAULT_BURN_WINDOWS = (
@@ -193,15 +187,42 @@ class RankDisagreement:
             raise ValueError(f"min_disagreements must be >= 1, got {self.min_disagreements}")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IndexerSyncDelay:
+    """``indexer_sync_delay``: per (engine, model, layer_group), the largest indexer sync delay
+    (tokens the CSA indexer's state trailed the main compressed KV boundary, on ``indexer_state``
+    lookups) over ``window``; active while above ``threshold_tokens``. It is 0 in a healthy
+    engine, so the default threshold is 0. Evaluated as its named query (:meth:`named_query`,
+    ``indexer_sync_delay_series``), whose rows are the active series.
+
+    ``threshold_tokens`` must be a bound of ``kvscope_indexer_sync_delay_tokens``
+    (:data:`SYNC_DELAY_TOKEN_BUCKETS`), so the exported PromQL fires on the same lookups."""
+
+    window: float = _duration_field("5m")
+    threshold_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.window != int(self.window):
+            raise ValueError(f"window must be whole seconds, at least 1s, got {self.window:g} s")
+        if self.threshold_tokens not in SYNC_DELAY_TOKEN_BUCKETS:
+            bounds = ", ".join(f"{b:g}" for b in SYNC_DELAY_TOKEN_BUCKETS)
+            raise ValueError(f"threshold_tokens must be a bucket bound of kvscope_indexer_sync_delay_tokens ({bounds}), got {self.threshold_tokens}")
+
+    def named_query(self) -> dict[str, object]:
+        """The rule's ``expr``: ``{query, params}`` of ``indexer_sync_delay_series``."""
+        return {"query": "indexer_sync_delay_series", "params": {"since_seconds": int(self.window), "threshold_tokens": self.threshold_tokens}}
+
+
 KINDS: dict[str, type] = {
     "recoverable_hit_rate_drop": HitRateDrop,
     "recoverable_hit_rate_below": HitRateBelow,
     "form_invalidation_spike": InvalidationSpike,
     "recovery_latency_high": RecoveryLatencyHigh,
     "tp_rank_disagreement": RankDisagreement,
+    "indexer_sync_delay": IndexerSyncDelay,
     "ingest_stalled": SilentFor,
     "engine_silent": SilentFor,
 }
 """Built-in rule kinds → their settings."""
 
-KindSettings = HitRateDrop | HitRateBelow | InvalidationSpike | RecoveryLatencyHigh | RankDisagreement | SilentFor
+KindSettings = HitRateDrop | HitRateBelow | InvalidationSpike | RecoveryLatencyHigh | RankDisagreement | IndexerSyncDelay | SilentFor

@@ -5,10 +5,12 @@ sets one (or the agent's ``alert_interval_seconds`` override), else at every min
 the ingest lag (``CronTrigger(second=lag)``, UTC); ``max_instances=1`` and coalescing, so a slow
 run is never doubled up. A run of a group:
 
-1. collects each rule's inputs (:func:`alerts.inputs.collect_inputs`); a rule whose query fails
-   (a bad expr value, a truncated result, a store error), or whose previous query still runs
-   (:class:`alerts.inputs.RunningQueries`), is skipped this time with its state
-   unchanged (logged, counted in ``kvscope_alert_rule_failures_total``);
+1. collects each rule's inputs (:func:`alerts.inputs.collect_inputs`; a drop rule's baseline
+   anchored where its pending or firing alert turned active); a rule whose query fails (a bad
+   expr value, a truncated result, a store error), or whose previous query still runs
+   (:class:`alerts.inputs.RunningQueries`), is skipped this time with its state unchanged
+   (logged, counted in ``kvscope_alert_rule_failures_total``); the series a rule could not judge
+   are noted with their volume (:class:`alerts.rule_health.RuleHealth`: logged, and served);
 2. evaluates the group (:func:`alerts.rule_eval.evaluate`) against its own alerts' state;
 3. in one transaction: writes the changed states to ``alert_state`` (deleting the dropped ones)
    and the transitions (firing, resolved) to ``alerts``;
@@ -54,7 +56,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from agent.store import Store
 from alerts.alert_store import load_rule_state
 from alerts.alert_view import active_view, outgoing_of, resolve_of
-from alerts.inputs import ExprError, RunningQueries, collect_inputs
+from alerts.inputs import ExprError, RunningQueries, activation_anchors, collect_inputs
 from alerts.missed_evaluations import MissedEvaluations
 from alerts.notifier import Notifier, OutgoingAlert
 from alerts.rule_eval import (
@@ -67,6 +69,7 @@ from alerts.rule_eval import (
     evaluate,
     fingerprint,
 )
+from alerts.rule_health import RuleHealth
 from alerts.rulefile import HitRateBelow, Rule, RuleFile, RuleGroup
 from alerts.transitions import append_log, save
 
@@ -145,6 +148,7 @@ class RuleScheduler:
             registry=registry,
         )
         self.missed = MissedEvaluations(registry)
+        self.health = RuleHealth()
         for group in rules.groups:
             self.missed.track(job_id(group), group=group.name, interval_seconds=self.interval_of(group))
         self._rules_by_name: dict[str, Rule] = {rule.alert: rule for rule in rules.rules}
@@ -264,17 +268,13 @@ class RuleScheduler:
         evaluated = []
         for rule in group.rules:
             try:
-                inputs.update(
-                    collect_inputs(
-                        self.store,
-                        [rule],
-                        now=now,
-                        lag_seconds=self.lag_seconds,
-                        row_limit=self.row_limit,
-                        timeout_seconds=self.timeout_seconds,
-                        running=self._running_queries,
-                    )
-                )
+                anchors = {rule.alert: activation_anchors(self.state.values(), rule.alert)}
+                collected = collect_inputs(
+                    self.store, [rule], now=now, lag_seconds=self.lag_seconds, row_limit=self.row_limit,
+                    timeout_seconds=self.timeout_seconds, running=self._running_queries, anchors=anchors,
+                )  # fmt: skip
+                inputs.update(collected)
+                self.health.observe(rule, collected.get(rule.alert, {}), now)
             except ExprError as exc:
                 self.failures.labels(alert=rule.alert).inc()
                 log.error("alert rule skipped this time: %s", exc)

@@ -59,6 +59,7 @@ from alerts.rule_kinds import KINDS as KINDS
 from alerts.rule_kinds import BurnWindow as BurnWindow
 from alerts.rule_kinds import HitRateBelow as HitRateBelow
 from alerts.rule_kinds import HitRateDrop as HitRateDrop
+from alerts.rule_kinds import IndexerSyncDelay as IndexerSyncDelay
 from alerts.rule_kinds import InvalidationSpike as InvalidationSpike
 from alerts.rule_kinds import KindSettings as KindSettings
 from alerts.rule_kinds import RankDisagreement as RankDisagreement
@@ -99,7 +100,9 @@ class SqlExpr:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rule:
-    """One alerting rule. Exactly one of ``settings`` (a built-in ``kind``) and ``expr``."""
+    """One alerting rule: ``settings`` for a built-in ``kind``, ``expr`` for a query. A kind
+    evaluated by a named query (``indexer_sync_delay``: settings with ``named_query()``) has
+    both, and is evaluated as that ``expr``."""
 
     alert: str
     kind: str | None
@@ -214,6 +217,8 @@ def _parse_rule(raw: object, group_where: str, index: int) -> Rule:
         raise RuleFileError(f"{where}: give exactly one of kind (a built-in rule) and expr (a query)")
     settings = None if kind is None else _settings(where, KINDS[kind], {k: raw[k] for k in settings_keys if k in raw})
     expr = None if kind is not None else _field(where, "expr", lambda: _expr(raw["expr"]))
+    if settings is not None and hasattr(settings, "named_query"):  # a kind its named query evaluates
+        expr = _field(where, "kind", lambda: _expr(settings.named_query()))
     for_seconds = _field(where, "for", lambda: parse_duration(raw.get("for", "0")))
     keep = _field(where, "keep_firing_for", lambda: parse_duration(raw.get("keep_firing_for", "0")))
     labels = _string_map(where, "labels", raw.get("labels", {}))

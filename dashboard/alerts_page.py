@@ -3,7 +3,9 @@
 * **Firing and pending** (``GET /v1/alerts``, refreshed every :data:`REFRESH_SECONDS`): state,
   alert, labels, value, since when, summary and the runbook link; below it the rule-group
   evaluations that were due and did not run since the agent started
-  (``GET /v1/alerts/missed-evaluations``: misfired, overrun, coalesced);
+  (``GET /v1/alerts/missed-evaluations``: misfired, overrun, coalesced), and each rule's last
+  evaluation (``GET /v1/alerts/rules``): "no data" with the volume a series saw against the
+  volume the rule needs, so a drill that never pages says why;
 * **Silences** (``GET/POST /v1/silences``, ``DELETE /v1/silences/{id}``): the list with states,
   a form to create one (matchers in Alertmanager's syntax, one per line) and a button to expire
   one;
@@ -37,6 +39,7 @@ def render() -> None:
     filters = sidebar_filters(client)
     active_panel(client, filters)
     missed_panel(client)
+    rules_panel(client)
     silences_panel(client)
     history_panel(client, filters)
 
@@ -82,6 +85,31 @@ def active_panel(client: AgentClient, filters: Filters) -> None:
         hide_index=True,
         column_config={"runbook": st.column_config.LinkColumn("runbook", display_text="runbook")},
     )
+
+
+@st.fragment(run_every=REFRESH_SECONDS)
+def rules_panel(client: AgentClient) -> None:
+    """Each rule's last evaluation, live: "no data" per series without enough volume, and what it saw."""
+    st.subheader("Rules")
+    try:
+        rules = client.rule_health()
+    except AgentError as exc:
+        st.caption(f"Rule evaluations: unknown ({exc})")
+        return
+    rows = []
+    for r in rules:
+        base = {"alert": r["alert"], "kind": r["kind"], "evaluated (UTC)": _when(r["evaluated_at"]), "series": r["series"]}
+        if r["evaluated_at"] is None:
+            rows.append({**base, "state": "not evaluated yet", "labels": "", "detail": ""})
+        for entry in r["no_data"]:
+            labels = ", ".join(f"{k}={v}" for k, v in sorted(entry["labels"].items()))
+            rows.append({**base, "state": "no data", "labels": labels, "detail": f"{entry['detail']} (since {_when(entry['since'])})"})
+        if r["evaluated_at"] is not None and not r["no_data"]:
+            rows.append({**base, "state": "ok", "labels": "", "detail": ""})
+    without = sum(1 for r in rules if r["no_data"])
+    if without:
+        st.warning(f"{without} rule(s) lack the volume to judge some series: they can neither fire nor resolve those (no data, never 0 %).")
+    st.dataframe(pd.DataFrame(rows, columns=["state", "alert", "labels", "detail", "kind", "series", "evaluated (UTC)"]), hide_index=True)
 
 
 @st.fragment(run_every=REFRESH_SECONDS)

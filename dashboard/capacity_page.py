@@ -2,7 +2,8 @@
 
 * bytes and blocks per form and tier over time (``capacity_timeseries``: the engines' stats
   snapshots, each engine's mean over a bucket, summed over engines), and now
-  (``capacity_latest``: each engine's latest snapshot, summed) — used, cached (reusable) and
+  (``capacity_latest``: each engine's latest snapshot, summed over the engines that sent one in
+  the last :data:`RECENT_ENGINE_SECONDS`, so engines that stopped long ago do not add up) — used, cached (reusable) and
   total blocks, and how full each pool is;
 * GPU memory and utilisation over time (``gpu_timeseries``, the agent's NVML sampler); without a
   GPU the page says so;
@@ -34,6 +35,8 @@ from dashboard.common import (
 )
 
 MiB = 1024 * 1024
+RECENT_ENGINE_SECONDS = 300
+"""An engine without a stats snapshot this recent is left out of the totals "now"."""
 
 
 def render() -> None:
@@ -44,7 +47,9 @@ def render() -> None:
     filters = sidebar_filters(client)
     try:
         pools = query(client, "capacity_timeseries", **filters.params())
-        now = query(client, "capacity_latest", since_seconds=filters.since_seconds, engine_id=filters.engine, model=filters.model)
+        now = query(
+            client, "capacity_latest", since_seconds=filters.since_seconds, engine_id=filters.engine, model=filters.model, recent_seconds=RECENT_ENGINE_SECONDS
+        )
         gpus = query(client, "gpu_timeseries", since_seconds=filters.since_seconds, bucket_seconds=filters.bucket_seconds)
     except AgentError as exc:
         st.error(str(exc))

@@ -26,6 +26,7 @@ import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from dashboard.client import AgentClient, AgentError, client_from, query_frame, query_timeout_for
+from dashboard.palette import color
 
 CLIENT_KEY = "kvscope_agent_client"
 QUERY_TIMEOUT_KEY = "kvscope_agent_query_timeout"
@@ -183,13 +184,16 @@ def _synced(bar: object, label: str, key: str, options: list[str], default: str,
     return value
 
 
-def requests_link(filters: Filters, label: str, *, start: float | None = None, end: float | None = None, form: str | None = None) -> None:
+def requests_link(
+    filters: Filters, label: str, *, start: float | None = None, end: float | None = None, form: str | None = None, reason: str | None = None
+) -> None:
     """A link to the Requests page showing the requests behind a chart: those in ``[start, end)``
-    (unix seconds; one bucket) and/or limited by ``form``, with the current engine and model (not
-    the sidebar's form: a chart of all requests links to all of its requests)."""
+    (unix seconds; one bucket) and/or limited by ``form`` (for ``reason``), with the current
+    engine and model (not the sidebar's form: a chart of all requests links to all of its
+    requests)."""
     from dashboard.pages import page
 
-    params = {"window": filters.window, "engine": filters.engine, "model": filters.model, "form": form or ALL}
+    params = {"window": filters.window, "engine": filters.engine, "model": filters.model, "form": form or ALL, "reason": reason}
     if start is not None and end is not None:
         params.update(start=f"{start:.6f}".rstrip("0").rstrip("."), end=f"{end:.6f}".rstrip("0").rstrip("."))
     st.page_link(page("requests"), label=label, icon=":material/manage_search:", query_params={k: v for k, v in params.items() if v is not None})
@@ -215,8 +219,25 @@ def time_tooltip(field: str = "bucket") -> alt.Tooltip:
     return alt.Tooltip(f"{field}:T", title="UTC", format="%Y-%m-%d %H:%M:%S", formatType="utc")
 
 
-def stacked_bars(wide: pd.DataFrame, series: str, value: str) -> alt.Chart:
-    """Bars per time bucket (the index of ``wide``), one stacked segment per column."""
+def stacked_bars(wide: pd.DataFrame, series: str, value: str, *, kind: str) -> alt.Chart:
+    """Bars per time bucket (the index of ``wide``), one stacked segment per column, each column
+    in its fixed colour (:func:`dashboard.palette.color` of ``kind``: ``outcome``, ``series``)."""
     x = wide.index.name or "index"
     long = wide.reset_index().melt(id_vars=x, var_name=series, value_name=value)
-    return alt.Chart(long).mark_bar().encode(x=time_x(x), y=alt.Y(f"{value}:Q", stack=True), color=f"{series}:N", tooltip=[time_tooltip(x), f"{series}:N", f"{value}:Q"])
+    return (
+        alt.Chart(long)
+        .mark_bar()
+        .encode(x=time_x(x), y=alt.Y(f"{value}:Q", stack=True), color=color(series, kind, wide.columns), tooltip=[time_tooltip(x), f"{series}:N", f"{value}:Q"])
+    )
+
+
+def with_gaps(long: pd.DataFrame, x: str, series: str | None, value: str, bucket_seconds: float) -> pd.DataFrame:
+    """``long`` (one row per bucket and series) with a ``segment`` column that starts a new line
+    wherever a bucket has no value or the next bucket with one is more than a bucket away: a line
+    chart encoding ``detail="segment:N"`` is broken there instead of drawn across minutes with no
+    data (Vega-Lite joins the points either side of a gap). Rows without a value are left out."""
+    frame = long.dropna(subset=[value]).sort_values([c for c in (series, x) if c is not None])
+    step = pd.Timedelta(seconds=bucket_seconds * 1.5)
+    key = frame[series] if series is not None else pd.Series(0, index=frame.index)
+    jump = frame.groupby(key)[x].diff().gt(step) | ~key.eq(key.shift())
+    return frame.assign(segment=jump.cumsum().astype(int))

@@ -1,16 +1,24 @@
-"""The Forms page: one form's story (the sidebar's form, else the one chosen here).
+"""The Forms page: one form's story — the sidebar's form, else the one chosen here, which opens on
+the form that lost most tokens in the window (``tokens_lost``: :func:`dashboard.losses.most_lost`).
+
+* the reasons it lost tokens as the limiting form, ranked by tokens lost (``tokens_lost``; ties
+  counted for every tied form, their part named) with readable labels, as a Pareto chart (bars,
+  and the cumulative share); the reason a link or an alert named (``?reason=``) is marked, with a
+  link to the requests it limited;
 
 From the ``cache_minute`` rollup (``form_timeseries``, whole minutes) and ``limiting_forms``:
 
-* outcomes over time (hit, recovered, replayed, invalidated, miss) — lookups per bucket;
-* top reasons the form was not reused, as a Pareto chart (bars, and the cumulative share);
+* outcomes over time (hit, recovered, replayed, invalidated, miss) — lookups per bucket, each
+  outcome in its colour on every page (:mod:`dashboard.palette`), with the lookups not reused per
+  reason below it;
 * recovery latency p50 / p95 / p99 over time, estimated from the cumulative latency buckets as
   Prometheus's ``histogram_quantile`` does (:func:`alerts.rule_eval.histogram_quantile`), and the
   same buckets as a heatmap (recoveries per latency band per time bucket);
 * the tier split (device / host / disk): lookups and recoverable tokens;
 * how often this form set the resume point L* (its share of requests, per bucket);
 * tensor-parallel rank disagreements (``rank_disagreements``): for this form, which rank held
-  it back (``tp_disagree``), how often and how many tokens it cost — shown only when some did.
+  it back (``tp_disagree``), how often and how many tokens it cost — shown only when some did;
+* for ``indexer_state``, the indexer's sync delay per layer group (:mod:`dashboard.sync_delay_panel`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from dashboard.agent_status import agent_status_badge
 from dashboard.client import AgentError
 from dashboard.common import (
     FORMS,
+    Filters,
     current_client,
     query,
     requests_link,
@@ -33,7 +42,11 @@ from dashboard.common import (
     stacked_bars,
     time_tooltip,
     time_x,
+    with_gaps,
 )
+from dashboard.losses import most_lost, reason_ranking
+from dashboard.palette import color, reason_label
+from dashboard.sync_delay_panel import sync_delay_panel
 
 LE_COLUMNS = [bucket_column(b) for b in RECOVERY_BUCKETS]
 QUANTILES = (0.5, 0.95, 0.99)
@@ -45,34 +58,50 @@ def render() -> None:
     client = current_client()
     agent_status_badge(client)
     filters = sidebar_filters(client)
-    form = filters.form or st.selectbox("Form", list(FORMS), key="forms_form")
+    window = {k: v for k, v in filters.params().items() if k != "bucket_seconds"}
+    try:
+        lost = query(client, "tokens_lost", **window)
+    except AgentError as exc:
+        st.error(str(exc))
+        return
+    top = most_lost(lost)
     if filters.form:
+        form = filters.form
         st.caption(f"Form {form} (set in the sidebar).")
+    else:
+        default = FORMS.index(top.form) if top is not None and top.form in FORMS else 0
+        form = st.selectbox("Form", list(FORMS), index=default, key="forms_form")
+        if top is not None:
+            st.caption(f"Opened on {top.form}: it lost most tokens in this window ({top.form_tokens:,}).")
     params = {**filters.params(), "bucket_seconds": max(filters.bucket_seconds, 60)}
     try:
         rows = query(client, "form_timeseries", form=form, **params)
         limiting = query(client, "limiting_forms", **filters.params())
-        window = {k: v for k, v in filters.params().items() if k != "bucket_seconds"}
         ranks = query(client, "rank_disagreements", **window)
     except AgentError as exc:
         st.error(str(exc))
         return
+    reasons_panel(lost, form, st.query_params.get("reason"), filters)
     if rows.empty:
         st.info(f"No {form} lookups in this window yet (the rollup folds them every few seconds).")
         return
     outcomes_panel(rows)
-    reasons_panel(rows)
-    latency_panel(rows)
+    latency_panel(rows, max(filters.bucket_seconds, 60))
     tiers_panel(rows)
-    limiting_panel(limiting, form)
+    limiting_panel(limiting, form, filters.bucket_seconds)
     ranks_panel(ranks, form)
+    sync_delay_panel(client, filters, form=form)
     requests_link(filters, f"The requests {form} limited in this window", form=form)
 
 
 def outcomes_panel(rows: pd.DataFrame) -> None:
     st.subheader("Outcomes over time")
     wide = rows.groupby(["bucket", "outcome"])["lookups"].sum().unstack(fill_value=0)
-    st.altair_chart(stacked_bars(wide, "outcome", "lookups"), width="stretch")
+    st.altair_chart(stacked_bars(wide, "outcome", "lookups", kind="outcome"), width="stretch")
+    not_reused = pareto(rows)
+    if not not_reused.empty:
+        st.caption("Lookups not reused, per reason (a lookup per layer group and rank):")
+        st.dataframe(not_reused.assign(reason=not_reused["reason"].map(reason_label)), hide_index=True)
 
 
 NOT_REUSED = ("invalidated",)
@@ -90,21 +119,39 @@ def pareto(rows: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index(drop=True)
 
 
-def reasons_panel(rows: pd.DataFrame) -> None:
-    st.subheader("Why it was not reused")
-    table = pareto(rows)
+def reasons_panel(lost: pd.DataFrame, form: str, marked: str | None, filters: Filters) -> None:
+    """Why ``form`` lost tokens as the limiting form, most tokens first; ``marked`` (a link's or
+    an alert's reason) is named above the chart and linked to its requests."""
+    st.subheader("Why it lost tokens")
+    table = reason_ranking(lost, form)
     if table.empty:
-        st.success("Every lookup of this form was a hit.")
+        st.success(f"{form} limited no request that lost a hash-hit token in this window.")
         return
-    order = table["reason"].tolist()
-    bars = alt.Chart(table).mark_bar().encode(x=alt.X("reason:N", sort=order, title=None), y=alt.Y("lookups:Q"))
+    shown: str = marked if marked is not None and marked in set(table["reason"]) else str(table["reason"].iloc[0])
+    row = table[table["reason"] == shown].iloc[0]
+    tied = f", {int(row['tied_requests'])} of them tied with another form" if int(row["tied_requests"]) else ""
+    st.markdown(f"**{form} — {reason_label(shown)}**: {int(row['tokens_lost']):,} tokens lost over {int(row['requests'])} requests{tied}.")
+    if marked and marked != shown:
+        st.caption(f"{form} lost no tokens for {reason_label(marked)} in this window.")
+    order = table["label"].tolist()
+    bars = (
+        alt.Chart(table)
+        .mark_bar()
+        .encode(
+            y=alt.Y("label:N", sort=order, title=None, axis=alt.Axis(labelLimit=400)),
+            x=alt.X("tokens_lost:Q", title="tokens lost"),
+            color=alt.condition(alt.datum.reason == shown, alt.value("#d62728"), alt.value("#1f77b4")),
+            tooltip=["label:N", "tokens_lost:Q", "requests:Q", "tied_requests:Q"],
+        )
+    )
     line = (
         alt.Chart(table)
-        .mark_line(point=True, color="#d62728")
-        .encode(x=alt.X("reason:N", sort=order), y=alt.Y("cumulative_share:Q", axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1])))
+        .mark_line(point=True, color="#7f7f7f")
+        .encode(y=alt.Y("label:N", sort=order), x=alt.X("cumulative_share:Q", axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1]), title="cumulative share"))
     )
-    st.altair_chart(alt.LayerChart(layer=[bars, line]).resolve_scale(y="independent"), width="stretch")
+    st.altair_chart(alt.LayerChart(layer=[bars, line]).resolve_scale(x="independent"), width="stretch")
     st.dataframe(table, hide_index=True)
+    requests_link(filters, f"The requests {form} limited for {reason_label(shown)}", form=form, reason=shown)
 
 
 def latency_quantiles(rows: pd.DataFrame) -> pd.DataFrame:
@@ -138,15 +185,16 @@ def latency_heatmap(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(cells, columns=["bucket", "band", "recoveries"])
 
 
-def latency_panel(rows: pd.DataFrame) -> None:
+def latency_panel(rows: pd.DataFrame, bucket_seconds: float) -> None:
     st.subheader("Recovery latency")
     quantiles = latency_quantiles(rows)
     if quantiles.empty:
         st.caption("No recoveries (swap-ins or replays) of this form in the window.")
         return
     long = quantiles.melt(id_vars=["bucket"], value_vars=["p50", "p95", "p99"], var_name="quantile", value_name="seconds")
+    long = with_gaps(long, "bucket", "quantile", "seconds", bucket_seconds)
     st.altair_chart(
-        alt.Chart(long).mark_line(point=True).encode(x=time_x(), y="seconds:Q", color="quantile:N"),
+        alt.Chart(long).mark_line(point=True).encode(x=time_x(), y="seconds:Q", color=color("quantile", "series", ["p50", "p95", "p99"]), detail="segment:N"),
         width="stretch",
     )
     bands = [f"≤ {b:g} s" for b in RECOVERY_BUCKETS] + [f"> {RECOVERY_BUCKETS[-1]:g} s"]
@@ -170,18 +218,19 @@ def tiers_panel(rows: pd.DataFrame) -> None:
     st.dataframe(tiers, hide_index=True)
 
 
-def limiting_panel(limiting: pd.DataFrame, form: str) -> None:
+def limiting_panel(limiting: pd.DataFrame, form: str, bucket_seconds: float) -> None:
     st.subheader(f"How often {form} set L*")
     if limiting.empty:
         st.caption("No requests in this window.")
         return
     totals = limiting.groupby("bucket")["requests"].sum()
     mine = limiting[limiting["limiting_form"] == form].groupby("bucket")["requests"].sum()
-    share = (mine.reindex(totals.index, fill_value=0) / totals).rename("share").reset_index()
+    share = with_gaps((mine.reindex(totals.index, fill_value=0) / totals).rename("share").reset_index(), "bucket", None, "share", bucket_seconds)
     overall = float(mine.sum() / totals.sum())
     st.metric("Share of requests it limited", f"{overall:.1%}")
+    st.caption("A request whose forms tied counts once here, under the form named first; the reasons above count it for each.")
     st.altair_chart(
-        alt.Chart(share).mark_line(point=True).encode(x=time_x(), y=alt.Y("share:Q", axis=alt.Axis(format="%"))),
+        alt.Chart(share).mark_line(point=True).encode(x=time_x(), y=alt.Y("share:Q", axis=alt.Axis(format="%")), detail="segment:N"),
         width="stretch",
     )
 

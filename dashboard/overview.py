@@ -12,12 +12,17 @@ Panels (all from the agent's named queries, refreshed every :data:`REFRESH_SECON
   with the widest raw − recoverable gap (the Requests page, narrowed to that bucket);
 * prompt tokens split into recoverable / replayed / recomputed per bucket;
 * each form's usable rate over time (``form_usable_timeseries``): which form explains the gap;
-* each form's recoverable rate (recoverable / hash-hit tokens of its lookups, from the rollup) as
-  small multiples;
-* a banner while alerts fire (``GET /v1/alerts``), and ingest health: the agent's ``/readyz``
+* tokens lost by the form that limited the resume point and its reason over the time range
+  (``tokens_lost``; a tie counts under every tied form, drawn lighter), and a link to the Forms
+  page on the form that lost most tokens and its reason (:mod:`dashboard.losses`);
+* a banner while alerts fire (``GET /v1/alerts``), each alert naming a form linking to the
+  Forms page on that form and reason, and ingest health: the agent's ``/readyz``
   status when it is degraded (each condition's reason and detail: a quarantined WAL, say) or not
   ready (why: a full disk, say) — shown even before any request arrived — and, from
   ``ingest_health``, events per second, p95 ingest lag, batches rejected and seq gaps.
+
+Lines are broken where a bucket has no data, every form, outcome and series keeps one colour on
+every page (:mod:`dashboard.palette`), and time axes read 24-hour UTC.
 
 Under the title, as on every page, the "stale since" badge while the agent does not answer
 (:mod:`dashboard.agent_status`).
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import altair as alt
 import pandas as pd
@@ -45,7 +51,10 @@ from dashboard.common import (
     time_tooltip,
     time_x,
     unix_seconds,
+    with_gaps,
 )
+from dashboard.losses import losses_chart, most_lost
+from dashboard.palette import color, reason_label
 
 HEADLINE_WINDOWS = {"1 minute": 60, "5 minutes": 300, "15 minutes": 900}
 """The headline's trailing windows (the first choice shown is 5 minutes)."""
@@ -88,7 +97,7 @@ def live_panels(client: AgentClient, filters: Filters, headline_seconds: int = 3
     except AgentError as exc:
         st.error(str(exc))
         return
-    _alert_banner(client)
+    _alert_banner(client, filters)
     if rates.empty:
         readiness_notice(check_agent(client))
         st.info(f"No requests in this window yet (agent at {client.base_url}).")
@@ -103,13 +112,14 @@ def live_panels(client: AgentClient, filters: Filters, headline_seconds: int = 3
             ),
             "series",
             "rate",
+            filters.bucket_seconds,
         ),
         width="stretch",
     )
     _widest_gap_link(rates, filters)
     st.subheader("Prompt tokens: recoverable / replayed / recomputed")
     tokens = rates[["recoverable_tokens", "replayed_tokens", "recomputed_tokens"]].rename(columns=lambda c: c.removesuffix("_tokens"))
-    st.altair_chart(stacked_bars(tokens, "part", "prompt tokens"), width="stretch")
+    st.altair_chart(stacked_bars(tokens, "part", "prompt tokens", kind="series"), width="stretch")
     st.subheader("Usable rate per form")
     if filters.form is not None:
         forms = forms[forms["form"] == filters.form]
@@ -117,8 +127,8 @@ def live_panels(client: AgentClient, filters: Filters, headline_seconds: int = 3
         st.info("No cache lookups in this window yet.")
     else:
         usable = forms.pivot(index="bucket", columns="form", values="usable_rate")
-        st.altair_chart(_lines(usable, "form", "usable rate"), width="stretch")
-    _form_multiples(client, filters)
+        st.altair_chart(_lines(usable, "form", "usable rate", filters.bucket_seconds, kind="form"), width="stretch")
+    _losses(client, filters)
     _ingest_health(client, filters)
 
 
@@ -149,43 +159,71 @@ def _widest_gap_link(rates: pd.DataFrame, filters: Filters) -> None:
     )
 
 
-def _alert_banner(client: AgentClient) -> None:
+def _alert_banner(client: AgentClient, filters: Filters) -> None:
+    """While alerts fire: how many and which, each linking to the Forms page on the form and
+    reason it names (an alert naming none, such as a hit-rate drop, opens the page on its engine,
+    where the form that lost most tokens is shown first)."""
+    from dashboard.pages import page
+
     try:
         alerts = client.active_alerts()
     except AgentError:
         return  # an agent without a rule scheduler: no banner (the Alerts page explains)
-    firing = sorted({a["alertname"] for a in alerts if a["state"] == "firing"})
-    if firing:
-        st.error(f"{sum(a['state'] == 'firing' for a in alerts)} alert(s) firing: {', '.join(firing)} — see the Alerts page.")
+    firing = [a for a in alerts if a["state"] == "firing"]
+    if not firing:
+        return
+    st.error(f"{len(firing)} alert(s) firing: {', '.join(sorted({a['alertname'] for a in firing}))} — see the Alerts page.")
+    for key in sorted({_alert_target(a) for a in firing}):
+        name, engine, form, reason = key
+        where = " — ".join(p for p in (form, reason_label(reason) if reason else None) if p) or "the form that lost most tokens"
+        params = {"window": filters.window, "engine": engine, "form": form, "reason": reason}
+        st.page_link(
+            page("forms"),
+            label=f"{name}{f' on {engine}' if engine else ''}: open Forms on {where}",
+            icon=":material/notifications_active:",
+            query_params={k: v for k, v in params.items() if v},
+        )
 
 
-def form_recoverable(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per bucket and form: recoverable / hash-hit tokens of its lookups (NaN without hash hits)."""
-    sums = rows.groupby(["bucket", "form"], as_index=False)[["recoverable_tokens", "hash_hit_tokens"]].sum()
-    sums["recoverable_rate"] = sums["recoverable_tokens"] / sums["hash_hit_tokens"].where(sums["hash_hit_tokens"] > 0)
-    return sums
+def _alert_target(alert: dict[str, Any]) -> tuple[str, str | None, str | None, str | None]:
+    labels = alert.get("labels") or {}
+    reason = labels.get("reason") or ("tp_disagree" if alert.get("alertname") == "TensorParallelRankDisagreement" else None)
+    return str(alert["alertname"]), labels.get("engine"), labels.get("form"), reason
 
 
-def _form_multiples(client: AgentClient, filters: Filters) -> None:
-    st.subheader("Recoverable rate per form")
+def _losses(client: AgentClient, filters: Filters) -> None:
+    from dashboard.pages import page
+
+    st.subheader("Tokens lost by limiting form and reason")
     try:
-        rows = query(client, "form_timeseries", **{**filters.params(), "bucket_seconds": max(filters.bucket_seconds, 60)}, form=filters.form)
+        table = query(client, "tokens_lost", since_seconds=filters.since_seconds, engine_id=filters.engine, model=filters.model)
     except AgentError as exc:
         st.error(str(exc))
         return
-    if rows.empty:
-        st.caption("The rollup has no lookups in this window yet.")
+    if filters.form is not None and not table.empty:
+        table = table[table["form"] == filters.form]
+    if table.empty:
+        st.caption("No request lost a hash-hit token in this window.")
         return
-    st.altair_chart(
-        alt.Chart(form_recoverable(rows))
-        .mark_line(point=True)
-        .encode(
-            x=time_x(),
-            y=alt.Y("recoverable_rate:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"), title=None),
-        )
-        .properties(width=180, height=120)
-        .facet(facet=alt.Facet("form:N", title=None), columns=3),
+    st.caption(
+        "Hash-hit tokens that were recomputed or replayed, charged to the form that set the resume "
+        "point with its reason; a request whose forms tied counts under each tied form (lighter)."
     )
+    st.altair_chart(losses_chart(table), width="stretch")
+    top = most_lost(table)
+    if top is None:
+        return
+    st.page_link(
+        page("forms"),
+        label=f"Most tokens lost: {top.form} — {reason_label(top.reason)}, {top.reason_tokens:,} of {top.form_tokens:,} tokens",
+        icon=":material/troubleshoot:",
+        query_params=_forms_params(filters, top.form, top.reason),
+    )
+
+
+def _forms_params(filters: Filters, form: str, reason: str | None) -> dict[str, str]:
+    params = {"window": filters.window, "engine": filters.engine, "model": filters.model, "form": form, "reason": reason}
+    return {k: v for k, v in params.items() if v is not None}
 
 
 def _ingest_health(client: AgentClient, filters: Filters) -> None:
@@ -212,17 +250,20 @@ def _ingest_health(client: AgentClient, filters: Filters) -> None:
     columns[3].metric("Seq gaps detected", f"{int(health['missing_batches'].sum()):,}")
 
 
-def _lines(wide: pd.DataFrame, series: str, value: str) -> alt.Chart:
-    """A line chart with a point per bucket (a single bucket still shows), rates in [0, 1]."""
-    long = wide.reset_index().melt(id_vars=wide.index.name or "index", var_name=series, value_name=value)
+def _lines(wide: pd.DataFrame, series: str, value: str, bucket_seconds: float, *, kind: str = "series") -> alt.Chart:
+    """A line chart with a point per bucket (a single bucket still shows), rates in [0, 1],
+    broken where a bucket has no value (:func:`dashboard.common.with_gaps`), each series in its
+    fixed colour (:func:`dashboard.palette.color` of ``kind``)."""
     x = wide.index.name or "index"
+    long = with_gaps(wide.reset_index().melt(id_vars=x, var_name=series, value_name=value), x, series, value, bucket_seconds)
     return (
         alt.Chart(long)
         .mark_line(point=True)
         .encode(
             x=time_x(x),
             y=alt.Y(f"{value}:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%")),
-            color=alt.Color(f"{series}:N"),
+            color=color(series, kind, wide.columns),
+            detail="segment:N",
             tooltip=[time_tooltip(x), f"{series}:N", alt.Tooltip(f"{value}:Q", format=".1%")],
         )
     )

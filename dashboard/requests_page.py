@@ -3,7 +3,8 @@
 * **Recent requests** (``recent_requests``, filtered by the agent): those of the sidebar's time
   range, or of one chart bucket when the page was opened from a drop on the Overview (``?start=``
   and ``?end=``, unix seconds), of its engine and model, limited by its form when one is chosen,
-  and whose id contains the search text: prompt tokens, hash hit, resume point L*, recoverable /
+  stopped for the URL's reason (``?reason=``, from the Forms page), and whose id contains the
+  search text: prompt tokens, hash hit, resume point L*, recoverable /
   replayed / recomputed tokens, the limiting form and reason, the admission, TTFT.
 * **One request** (``request_lookups``): each form's usable length as a bar against the hash hit
   and the resume point L* the request used (the shortest usable form limits it), with its
@@ -30,9 +31,10 @@ from dashboard.common import Filters, current_client, query, sidebar_filters
 
 LIMIT = 500
 COLUMNS = [
-    "ts", "engine_id", "request_id", "prompt_tokens", "hash_hit_tokens", "resume_tokens", "recoverable_tokens",
-    "replayed_tokens", "recomputed_tokens", "limiting_form", "limiting_reason", "admission", "ttft_seconds",
+    "ts", "request_id", "limiting_form", "limiting_reason", "prompt_tokens", "hash_hit_tokens", "resume_tokens",
+    "recoverable_tokens", "replayed_tokens", "recomputed_tokens", "admission", "ttft_seconds", "engine_id",
 ]  # fmt: skip
+"""The table's columns: what limited the request comes first, so it is on screen."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +81,11 @@ def render() -> None:
     agent_status_badge(client)
     filters = sidebar_filters(client)
     span = span_from_url()
+    reason = st.query_params.get("reason") or None
     search = st.text_input("Search request ids", key="request_search", placeholder="part of a request id")
     params: dict[str, object] = {
         "limit": LIMIT, "engine_id": filters.engine, "model": filters.model,
-        "limiting_form": filters.form, "search": search or None,
+        "limiting_form": filters.form, "limiting_reason": reason, "search": search or None,
     }  # fmt: skip
     if span is not None:
         params.update(start_ts=span.start, end_ts=span.end)
@@ -94,7 +97,7 @@ def render() -> None:
     except AgentError as exc:
         st.error(str(exc))
         return
-    scope = describe(filters, span, search)
+    scope = describe(filters, span, search, reason)
     if recent.empty:
         st.info(f"No requests {scope}.")
         return
@@ -107,11 +110,13 @@ def render() -> None:
     detail(client, row)
 
 
-def describe(filters: Filters, span: Span | None, search: str) -> str:
+def describe(filters: Filters, span: Span | None, search: str, reason: str | None = None) -> str:
     """What the table holds, as words: ``in the last 15 minutes, limited by swa_window, ...``."""
     parts = [f"in {span.label()}" if span is not None else f"in the last {filters.window}"]
     if filters.form is not None:
         parts.append(f"limited by {filters.form}")
+    if reason is not None:
+        parts.append(f"stopped for {reason}")
     if search:
         parts.append(f"with {search!r} in the id")
     return ", ".join(parts)
@@ -124,7 +129,11 @@ def detail(client: object, row: pd.Series) -> None:
     columns[0].metric("Prompt tokens", f"{int(row['prompt_tokens']):,}")
     columns[1].metric("Resume point L*", f"{int(row['resume_tokens']):,}")
     columns[2].metric("Admission", str(row["admission"]))
-    columns[3].metric("Predicted", f"{row['predicted_seconds']:.3f} s")
+    predicted = float(row["predicted_seconds"])
+    if predicted > 0:
+        columns[3].metric("Predicted", f"{predicted:.3f} s")
+    else:  # 0: the admission priced no plan (a cold prefill, or an engine that does not predict)
+        columns[3].metric("Predicted", "none", help="The admission made no prediction for this request (no plan was priced).")
     columns[4].metric("Actual", f"{row['actual_seconds']:.3f} s")
     columns[5].metric("TTFT", f"{row['ttft_seconds']:.3f} s")
     st.caption(limit_caption(row))

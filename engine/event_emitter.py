@@ -100,6 +100,9 @@ class EventEmitter:
                     ghost_tokens=f.ghost_tokens,
                     ghost_bytes=f.ghost_bytes,
                     spare_bytes=f.spare_bytes,
+                    layer_group=f.layer_group,
+                    indexer_sync_delay_tokens=f.sync_delay_tokens,
+                    indexer_sync_delay_seconds=f.sync_delay_seconds,
                 )
             )
         self.sink.emit(

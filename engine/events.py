@@ -180,6 +180,13 @@ class CacheLookup(_Event, tag="cache_lookup", kw_only=True):
     spare_bytes: Bytes | None = None
     """When the form could resume (``usable_tokens`` > 0): how much less device memory it could
     have had and still resumed there (None: not known). The Capacity what-if reads these."""
+    indexer_sync_delay_tokens: Tokens = 0
+    """``indexer_state`` only: how many tokens the indexer's state trails the main compressed KV
+    boundary where the lookup met it (per CSA layer group, the group ``layer_group`` names; 0:
+    in sync, as in a healthy engine). See ``engine/cache/indexer_sync.py``."""
+    indexer_sync_delay_seconds: NonNegFloat = 0.0
+    """``indexer_state`` only: seconds since that indexer state last matched the boundary (0 when
+    ``indexer_sync_delay_tokens`` is 0)."""
 
 
 class RequestEvent(_Event, tag="request", kw_only=True):
@@ -308,7 +315,8 @@ def check_batch(batch: EventBatch) -> None:
             ``cache_lookup`` whose usable, recoverable or ghost tokens exceed its hash hit, with
             ``ghost_bytes`` but no ``ghost_tokens`` (or the reverse), ``ghost_bytes`` 0, or
             ``ghost_tokens`` not past ``usable_tokens``, or ``spare_bytes`` without usable
-            tokens; a ``request`` whose token split does not add up to its prompt, or whose
+            tokens, or an indexer sync delay on another form than ``indexer_state``, in seconds
+            without one in tokens, or past its hash hit; a ``request`` whose token split does not add up to its prompt, or whose
             non-empty ``limiting_forms`` misses its ``limiting_form`` or repeats a form.
     """
     if batch.schema_version != SCHEMA_VERSION:
@@ -339,6 +347,8 @@ def check_batch(batch: EventBatch) -> None:
                 raise EventError(f"{at}.ghost_tokens", "must exceed usable_tokens")
             if ev.spare_bytes is not None and ev.usable_tokens == 0:
                 raise EventError(f"{at}.spare_bytes", "only a lookup with usable tokens has spare memory")
+            if ev.indexer_sync_delay_tokens or ev.indexer_sync_delay_seconds:
+                _check_sync_delay(ev, at)
         elif isinstance(ev, RequestEvent):
             total = ev.recoverable_tokens + ev.replayed_tokens + ev.recomputed_tokens
             if total != ev.prompt_tokens:
@@ -355,6 +365,15 @@ def check_batch(batch: EventBatch) -> None:
                     raise EventError(f"{at}.limiting_forms", f"does not contain limiting_form {ev.limiting_form}")
                 if len(set(ev.limiting_forms)) != len(ev.limiting_forms):
                     raise EventError(f"{at}.limiting_forms", "names a form twice")
+
+
+def _check_sync_delay(ev: CacheLookup, at: str) -> None:
+    if ev.form != Form.INDEXER_STATE:
+        raise EventError(f"{at}.indexer_sync_delay_tokens", f"only an indexer_state lookup has a sync delay, not {ev.form}")
+    if not ev.indexer_sync_delay_tokens:
+        raise EventError(f"{at}.indexer_sync_delay_seconds", "must be 0 while indexer_sync_delay_tokens is 0 (in sync)")
+    if ev.indexer_sync_delay_tokens > ev.hash_hit_tokens:
+        raise EventError(f"{at}.indexer_sync_delay_tokens", "exceeds hash_hit_tokens")
 
 
 def encode_batch(batch: EventBatch, fmt: ContentFormat = "json") -> bytes:

@@ -7,7 +7,8 @@ the reason in its events:
 * ``drop_tail`` — the compressors' uncompressed tail rows never reach their slot (as if lost on
   the way to the cache) → ``uncompressed_tail`` invalidated, ``tail_missing``;
 * ``lag_index`` — the indexer's pending rows are stamped one boundary behind the compressed KV
-  they go with → ``indexer_state`` invalidated, ``indexer_stale``;
+  they go with → ``indexer_state`` invalidated, ``indexer_stale``, with a sync delay of U tokens
+  (``engine/cache/indexer_sync.py``);
 * ``evict_between_check_and_use`` — a page the lookup matched is invalidated after the lookup
   and before the request leases it → the form is vetoed, ``epoch_changed``, full recompute;
 * ``groups_disagree`` — one compressor group (e.g. HCA next to CSA) fails to store its last entry

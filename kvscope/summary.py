@@ -1,8 +1,10 @@
 """The per-form summary ``kvscope up`` and ``kvscope replay`` print at the end.
 
-For ``kvscope up`` it is computed from the events the agent stored (named queries ``totals`` and
-``form_outcomes``), so it shows what operators will query; ``kvscope replay`` without an agent
-computes the same figures in-process.
+For ``kvscope up`` it is computed from the events the agent stored (named queries ``totals``,
+``tokens_lost`` and ``form_outcomes``), so it shows what operators will query; ``kvscope replay``
+without an agent computes the same figures in-process. It leads with the tokens lost, ranked by
+the form that limited the resume point and its reason (a tie counted under every tied form, as
+the dashboard does), then the lookups per form and outcome.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class Summary:
     recomputed_tokens: int
     forms: dict[str, dict[str, int]]
     reasons: dict[str, dict[str, int]] = field(default_factory=dict)
+    losses: list[dict[str, Any]] = field(default_factory=list)
+    """Tokens lost per limiting form (None: no form) and reason, most first: ``form``, ``reason``,
+    ``tokens_lost``, ``requests``, ``tied_requests``."""
 
     @property
     def raw_hit_rate(self) -> float | None:
@@ -53,11 +58,16 @@ class Summary:
             if outcome != Outcome.HIT:
                 reasons.setdefault(form, {})
                 reasons[form][reason] = reasons[form].get(reason, 0) + n
+        losses = [
+            {k: row[k] if k in ("form", "reason") else int(row[k]) for k in LOSS_FIELDS}
+            for row in client.query("tokens_lost", engine_id=engine_id)
+        ]
         return cls(
             requests=int(totals["requests"]),
             **{k: int(totals[k]) for k in TOKEN_FIELDS},
             forms=_ordered(forms),
             reasons=_ordered(reasons),
+            losses=_ranked(losses),
         )
 
     @classmethod
@@ -67,6 +77,12 @@ class Summary:
             **{k: int(getattr(tally, k)) for k in TOKEN_FIELDS},
             forms=_ordered(tally.outcome_counts()),
             reasons=_ordered({f: dict(c) for f, c in tally.reasons.items()}),
+            losses=_ranked(
+                [
+                    {"form": form, "reason": reason, "tokens_lost": t[0], "requests": t[1], "tied_requests": t[2]}
+                    for (form, reason), t in tally.losses.items()
+                ]
+            ),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -77,6 +93,7 @@ class Summary:
             "recoverable_hit_rate": self.recoverable_hit_rate,
             "forms": self.forms,
             "reasons": self.reasons,
+            "losses": self.losses,
         }
 
     def render(self, console: Console) -> None:
@@ -90,6 +107,14 @@ class Summary:
             f"(recoverable {self.recoverable_tokens} / replayed {self.replayed_tokens} / "
             f"recomputed {self.recomputed_tokens} tokens)"
         )
+        if self.losses:
+            lost = Table(title="tokens lost (hash hit, not recoverable) by limiting form and reason, most first")
+            for column in ("form", "reason", "tokens lost", "requests", "of them tied"):
+                lost.add_column(column, justify="left" if column in ("form", "reason") else "right")
+            for row in self.losses:
+                lost.add_row(row["form"] or "(no form)", row["reason"], str(row["tokens_lost"]), str(row["requests"]), str(row["tied_requests"]))
+            console.print(lost)
+            console.print("A request whose forms tied at its resume point counts under each tied form.")
         table = Table(title="cache lookups per form")
         table.add_column("form")
         for o in Outcome:
@@ -106,6 +131,14 @@ class Summary:
                 why.add_row(form, reason, str(n))
         if why.row_count:
             console.print(why)
+
+
+LOSS_FIELDS = ("form", "reason", "tokens_lost", "requests", "tied_requests")
+
+
+def _ranked(losses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Most tokens lost first; then by form (no form last) and reason, so the order is stable."""
+    return sorted(losses, key=lambda r: (-r["tokens_lost"], r["form"] is None, r["form"] or "", r["reason"]))
 
 
 def _ordered(by_form: dict[str, Any]) -> dict[str, Any]:

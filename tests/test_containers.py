@@ -3,7 +3,8 @@ services, builds, mounts and dependencies; the Dockerfiles' copied paths and ver
 pyproject.toml; every command line against kvscope's own CLI parser; the Prometheus and
 Alertmanager configs with ``promtool`` / ``amtool`` (Debian's prometheus and
 prometheus-alertmanager packages) and the agent's notification file with its strict loader;
-``docker compose config`` where the compose plugin exists."""
+Grafana's provisioning (the compose Prometheus, the generated dashboard); ``docker compose
+config`` where the compose plugin exists."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from kvscope.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
-SERVICES = {"engine", "agent", "dashboard", "prometheus", "alertmanager"}
+SERVICES = {"engine", "agent", "dashboard", "prometheus", "alertmanager", "grafana"}
 
 
 def compose() -> dict:
@@ -39,7 +40,7 @@ def pins() -> dict[str, str]:
     return out
 
 
-def test_the_compose_file_wires_the_five_services() -> None:
+def test_the_compose_file_wires_the_six_services() -> None:
     doc = compose()
     services = doc["services"]
     assert set(services) == SERVICES
@@ -62,6 +63,24 @@ def test_the_compose_file_wires_the_five_services() -> None:
     gpu = services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     assert services["dashboard"]["image"] == services["agent"]["image"]  # one image, two commands
+
+
+def test_grafana_is_provisioned_with_the_compose_prometheus_and_the_dashboard() -> None:
+    services = compose()["services"]
+    grafana = services["grafana"]
+    mounts = dict(m.removesuffix(":ro").split(":", 1) for m in grafana["volumes"])  # source → target
+    datasources = yaml.safe_load((DOCKER / "grafana" / "datasources.yaml").read_text())["datasources"]
+    assert [(d["type"], d["url"], d["isDefault"]) for d in datasources] == [("prometheus", "http://prometheus:9090", True)]
+    assert "9090:9090" in services["prometheus"]["ports"] and "prometheus" in grafana["depends_on"]
+    scrape = yaml.safe_load((DOCKER / "prometheus.yml").read_text())["global"]["scrape_interval"]
+    assert datasources[0]["jsonData"]["timeInterval"] == scrape  # $__rate_interval covers 4 scrapes
+    (provider,) = yaml.safe_load((DOCKER / "grafana" / "dashboards.yaml").read_text())["providers"]
+    assert provider["type"] == "file"
+    dashboard = mounts["../dashboards/grafana/kvscope.json"]
+    assert dashboard == provider["options"]["path"] + "/kvscope.json"
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboard
+    assert mounts["./grafana/datasources.yaml"].startswith("/etc/grafana/provisioning/datasources/")
+    assert mounts["./grafana/dashboards.yaml"].startswith("/etc/grafana/provisioning/dashboards/")
 
 
 def dockerfile_pins(text: str) -> dict[str, str]:

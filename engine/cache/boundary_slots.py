@@ -9,8 +9,9 @@ the entries they continue.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -69,6 +70,12 @@ class BoundarySlots:
         self.slot_boundaries: list[tuple[BlockHash | None, ...]] = [()] * num_slots
         self.lost: OrderedDict[BlockHash, None] = OrderedDict()
         """Slots recently lost before they were stored (fault injection: ``drop_tail``)."""
+        self.stale_since: OrderedDict[BlockHash, float] = OrderedDict()
+        """Slots stored stamped behind their boundary (fault injection: ``lag_index``) → when the
+        first was stored, :attr:`clock` seconds; dropped once the right rows replace them
+        (bounded like :attr:`lost`). What the indexer's sync delay in seconds counts from."""
+        self.clock: Callable[[], float] = time.monotonic
+        """The clock of :attr:`stale_since` (monotonic seconds; injectable for tests)."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -115,6 +122,11 @@ class BoundarySlots:
         if slot is None or self.slot_tokens[slot] != tokens or self.slot_boundaries[slot] != self.version(hashes, tokens):
             return None
         return slot
+
+    def stamp_at(self, hashes: Sequence[BlockHash], tokens: int) -> Stamp | None:
+        """The stamp ``(L, *boundary hashes)`` of the slot stored under the hash of
+        ``[0, tokens)`` — also of one a lower tier holds, or a stale one; None when absent."""
+        return self._stamp_of(hashes[tokens // self.unit_tokens - 1]) if tokens else None
 
     def _stamp_of(self, h: BlockHash) -> Stamp | None:
         """The stamp of the slot cached under ``h`` (in tier view, also of one a lower tier
@@ -219,6 +231,12 @@ class BoundarySlots:
                 tensors["prev_gate"][slot, i, :prev] = c.prev_gate
         self.slot_tokens[slot] = tokens - self.unit_tokens if lag else tokens
         self.slot_boundaries[slot] = self.version(hashes, tokens)
+        if lag:
+            self.stale_since.setdefault(h, self.clock())
+            if len(self.stale_since) > self.pool.num_blocks:
+                self.stale_since.popitem(last=False)
+        else:
+            self.stale_since.pop(h, None)
         self.pool.publish(slot, h)
         self.pool.release(slot)
         return True

@@ -75,6 +75,15 @@ class FormLookup:
     reason_tokens: int = 0
     """The resume point ``reason`` is about (:func:`stored_loss_reason`): the highest point the
     form lost where its state was ever stored (0: none was, or the form lost nothing)."""
+    sync_delay_tokens: int = 0
+    """``indexer_state`` only: tokens the indexer's state trails the main compressed KV
+    boundary where this lookup met it (:mod:`engine.cache.indexer_sync`; 0: in sync)."""
+    sync_delay_seconds: float = 0.0
+    """``indexer_state`` only: seconds since that indexer state last matched the boundary (0:
+    in sync, or not known)."""
+    layer_group: int = 0
+    """The layer group the figures are about: for ``indexer_state`` the indexer group (CSA
+    layers sharing one indexer geometry) that trails most, else 0."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

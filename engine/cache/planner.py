@@ -21,6 +21,7 @@ from engine.cache.coordinator import ResumePlan, plan_resume, resume_limit
 from engine.cache.form_set import FormSet
 from engine.cache.ghosts import GhostPricer
 from engine.cache.hashing import BlockHash
+from engine.cache.indexer_sync import with_sync_delay
 from engine.cache.rank_agreement import RankAgreement
 from engine.cache.swap import SwapController, SwapPlan
 from engine.cache.tail_replay import tail_replay_plan
@@ -164,7 +165,7 @@ class Planner:
 
         if best is swap_option and swap is not None:
             plan = self._run_swap_in(hashes, prompt_tokens, output_tokens, vetoes, swap, device, best)
-            return Admitted(plan=self.ghosts.with_ghosts(plan, hashes, vetoes), admission=Admission.SWAP_IN, predicted_seconds=predicted)
+            return Admitted(plan=self._measured(plan, hashes, vetoes), admission=Admission.SWAP_IN, predicted_seconds=predicted)
         chosen = next(p for c, p in options if c is best)
         used_vetoes = vetoes
         if chosen is None:  # cold: nothing reused
@@ -181,8 +182,13 @@ class Planner:
         if admission is not Admission.TAIL_REPLAY and swap is not None and plan.resume_tokens:
             admission = Admission.LOWER_RESUME
         self.recovery.acquire(0, plan.replayed_tokens)
-        plan = self.ghosts.with_ghosts(plan, hashes, used_vetoes)
+        plan = self._measured(plan, hashes, used_vetoes)
         return Admitted(plan=plan, admission=admission, predicted_seconds=predicted, held_replay_tokens=plan.replayed_tokens)
+
+    def _measured(self, plan: ResumePlan, hashes: Sequence[BlockHash], vetoes: Mapping[Form, Reason] | None) -> ResumePlan:
+        """The admitted ``plan`` with what its events report besides verdicts: the ghosts
+        (:class:`GhostPricer`) and the indexer's sync delay (:func:`with_sync_delay`)."""
+        return with_sync_delay(self.ghosts.with_ghosts(plan, hashes, vetoes), hashes, self.form_set.indexer)
 
     def _run_swap_in(
         self,

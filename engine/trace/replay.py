@@ -78,6 +78,10 @@ class ReplayTally:
     output_tokens: int = 0
     forms: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     reasons: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    losses: dict[tuple[str | None, str], list[int]] = field(default_factory=dict)
+    """(limiting form, reason) → [tokens lost, requests, tied requests]: a request's hash-hit
+    tokens not recoverable, under every form tied at its resume point, each with its own reason
+    (as the agent's ``tokens_lost`` query counts them)."""
 
     def add(self, out: RequestOutput) -> None:
         c = out.cache
@@ -92,6 +96,19 @@ class ReplayTally:
             self.forms[str(f.form)][str(f.outcome)] += 1
             if f.outcome != Outcome.HIT:
                 self.reasons[str(f.form)][str(f.reason)] += 1
+        lost = c.hash_hit_tokens - c.recoverable_tokens
+        if lost > 0:
+            tied = len(c.limiting_forms) > 1
+            for form in c.limiting_forms or (c.limiting_form,):
+                reason = c.limiting_reason
+                if form != c.limiting_form:  # a tied form's own reason: its lookup of least usable tokens
+                    own = [f for f in c.forms if f.form == form]
+                    reason = min(own, key=lambda f: f.usable_tokens).reason if own else reason
+                key = (None if form is None else str(form), str(reason))
+                tally = self.losses.setdefault(key, [0, 0, 0])
+                tally[0] += lost
+                tally[1] += 1
+                tally[2] += int(tied)
 
     def outcome_counts(self) -> dict[str, dict[str, int]]:
         """``{form: {outcome: count}}`` with every outcome of every form present (zeros kept)."""

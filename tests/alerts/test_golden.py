@@ -124,3 +124,14 @@ def test_the_cli_prints_the_notifications_and_fails_on_a_mismatch(tmp_path: Path
     assert "FAILED: unexpected notification:     1h4m  firing    FormInvalidationSpike" in failed.stderr
     bad = subprocess.run([*command, str(tmp_path / "missing.yaml")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "cannot read series file" in bad.stderr
+
+
+def test_an_unanchored_baseline_would_resolve_inside_the_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The anchored baseline is what keeps drop_long_outage firing: with the baseline trailing
+    every evaluation (no anchors), the outage fills it and the alert resolves at 152m, while the
+    rate is still 0.4."""
+    import alerts.rule_scheduler
+
+    monkeypatch.setattr(alerts.rule_scheduler, "activation_anchors", lambda states, alert: {})
+    result = run_golden(load_rule_file(DEFAULT_RULES_PATH), load_series(GOLDEN / "drop_long_outage.yaml"))
+    assert [(n.status.value, n.at - result.notifications[0].at) for n in result.notifications] == [("firing", 0.0), ("resolved", 57 * 60.0)]

@@ -32,12 +32,18 @@ def test_the_default_rules_export_one_rule_per_alert_and_burn_window() -> None:
         ("RecoverableHitRateSLO", "3d/6h"),
         ("FormInvalidationSpike", None),
         ("TensorParallelRankDisagreement", None),
+        ("IndexerSyncDelay", None),
         ("RecoveryLatencyHigh", None),
         ("IngestStalled", None),
         ("EngineSilent", None),
     ]
     ranks = next(r for r in rules if r["alert"] == "TensorParallelRankDisagreement")
     assert ranks["expr"] == "sum by (engine, form, tp_rank) (increase(kvscope_tp_disagreements_total[5m])) >= 10"
+    sync = next(r for r in rules if r["alert"] == "IndexerSyncDelay")
+    assert sync["expr"] == (
+        "sum by (engine, model, layer_group) (increase(kvscope_indexer_sync_delay_tokens_count[5m]))"
+        '\n- sum by (engine, model, layer_group) (increase(kvscope_indexer_sync_delay_tokens_bucket{le="0.0"}[5m])) > 0'
+    )  # the lookups above the threshold (0 tokens): the series kvscope's largest delay fires for
     drop = rules[0]
     assert (drop["for"], drop["keep_firing_for"], drop["labels"]) == ("2m", "5m", {"severity": "page"})
     assert "offset 5m" in drop["expr"] and "< (" in drop["expr"] and ") * 0.7" in drop["expr"]
@@ -67,4 +73,4 @@ def test_promtool_accepts_the_export(tmp_path: Path) -> None:
     assert PROMTOOL is not None
     checked = subprocess.run([PROMTOOL, "check", "rules", str(out)], capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 9 rules found" in checked.stdout
+    assert "SUCCESS: 10 rules found" in checked.stdout

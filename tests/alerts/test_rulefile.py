@@ -176,7 +176,7 @@ def test_alerts_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         main(["alerts", "check", str(DEFAULT_RULES_PATH), str(bad)])
     assert exit_info.value.code == 1
     out, err = capsys.readouterr()
-    assert out == f"{DEFAULT_RULES_PATH}: SUCCESS: 2 groups, 7 rules found\n"
+    assert out == f"{DEFAULT_RULES_PATH}: SUCCESS: 2 groups, 8 rules found\n"
     assert err == f"FAILED: {bad}: group 'g': rule 'A': field silent_for: '5x' is not a duration (use units ms, s, m, h, d, w, y, e.g. 1h30m)\n"
     with pytest.raises(SystemExit) as exit_info:
         main(["alerts", "check", str(DEFAULT_RULES_PATH)])

@@ -74,7 +74,7 @@ def test_firing_pending_history_and_filters(agent: RunningAgent, monkeypatch: py
     at = page(agent, monkeypatch)
     ok(at)
     assert at.title[0].value == "Alerts"
-    assert [s.value for s in at.subheader] == ["Firing and pending", "Silences", "History"]
+    assert [s.value for s in at.subheader] == ["Firing and pending", "Rules", "Silences", "History"]
     assert at.metric[0].label == "Firing" and at.metric[0].value == "1"
     active = at.dataframe[0].value
     assert active[["state", "alert", "labels", "value"]].values.tolist() == [
@@ -157,3 +157,24 @@ def test_missed_evaluations_are_shown(agent: RunningAgent, monkeypatch: pytest.M
     assert missed.values.tolist() == [["kvscope-cache", "overrun", 3, "2027-01-15 08:00:00"]]
     agent.app.state.missed_evaluations = lambda: [{"group": "kvscope-cache", "reason": "overrun", "count": 0, "last_due_at": None}]
     assert "No rule evaluation was missed" in " ".join(c.value for c in page(agent, monkeypatch).caption)
+
+
+def test_rules_without_data_say_so_with_their_volume(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = page(agent, monkeypatch)
+    ok(at)
+    assert any(c.value.startswith("Rule evaluations: unknown") for c in at.caption)  # no rule scheduler
+    detail = "4,120 prompt tokens in the 5m window and 0 in its baseline; needs 10,000 in each"
+    agent.app.state.rule_health = lambda: [
+        {"alert": "RecoverableHitRateDrop", "kind": "recoverable_hit_rate_drop", "evaluated_at": 1_800_000_060.0, "series": 1,
+         "no_data": [{"labels": {"engine": "e1", "model": "m1"}, "detail": detail, "since": 1_800_000_000.0}]},
+        {"alert": "EngineSilent", "kind": "engine_silent", "evaluated_at": 1_800_000_060.0, "series": 1, "no_data": []},
+        {"alert": "IngestStalled", "kind": "ingest_stalled", "evaluated_at": None, "series": 0, "no_data": []},
+    ]  # fmt: skip
+    at = page(agent, monkeypatch)
+    ok(at)
+    assert any(w.value.startswith("1 rule(s) lack the volume to judge some series") for w in at.warning)
+    (rules,) = [d.value for d in at.dataframe if "detail" in d.value.columns]
+    assert rules[["state", "alert", "labels"]].values.tolist() == [
+        ["no data", "RecoverableHitRateDrop", "engine=e1, model=m1"], ["ok", "EngineSilent", ""], ["not evaluated yet", "IngestStalled", ""],
+    ]  # fmt: skip
+    assert rules["detail"].iloc[0] == f"{detail} (since 2027-01-15 08:00:00)"

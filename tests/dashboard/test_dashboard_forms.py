@@ -75,11 +75,17 @@ def test_one_forms_story(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -
     at = page(agent, monkeypatch, form="swa_window")
     assert not at.exception and not at.error, [e.value for e in at.error]
     assert [s.value for s in at.subheader] == [
-        "Outcomes over time", "Why it was not reused", "Recovery latency", "Tier split", "How often swa_window set L*",
+        "Why it lost tokens", "Outcomes over time", "Recovery latency", "Tier split", "How often swa_window set L*",
     ]  # fmt: skip
-    reasons = at.dataframe[0].value
-    assert reasons[["reason", "lookups"]].values.tolist() == [["swa_evicted", 5], ["epoch_changed", 1]]
+    lost = at.dataframe[0].value  # ranked by tokens lost as the limiting form: 2 requests, 32 each
+    assert lost[["reason", "label", "tokens_lost", "requests"]].values.tolist() == [["swa_evicted", "sliding window evicted (swa_evicted)", 64, 2]]
+    assert "**swa_window — sliding window evicted (swa_evicted)**: 64 tokens lost over 2 requests." in [m.value for m in at.markdown]
+    reasons = at.dataframe[1].value
+    assert reasons[["reason", "lookups"]].values.tolist() == [["sliding window evicted (swa_evicted)", 5], ["state replaced (epoch changed) (epoch_changed)", 1]]
     assert reasons["cumulative_share"].round(4).tolist() == [0.8333, 1.0]
+    outcomes = dataset(at, 1, "outcome")
+    assert json.loads(at.get("vega_lite_chart")[1].proto.spec)["encoding"]["color"]["scale"]["range"][:2] == ["#2ca02c", "#1f77b4"]  # hit green, recovered blue
+    assert set(outcomes["outcome"]) == {"hit", "recovered", "invalidated"}
     quantiles = dataset(at, 2, "seconds")
     by_quantile = dict(zip(quantiles["quantile"], quantiles["seconds"], strict=True))
     # 4 recoveries: 2 in (0.01, 0.025], 2 in (0.1, 0.25]; linear within a bucket, as histogram_quantile
@@ -87,11 +93,12 @@ def test_one_forms_story(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -
     heat = dataset(at, 3, "band")
     cells = {band: n for band, n in zip(heat["band"], heat["recoveries"], strict=True) if n}
     assert cells == {"≤ 0.025 s": 2, "≤ 0.25 s": 2}
-    tiers = at.dataframe[1].value
+    tiers = at.dataframe[2].value
     assert tiers[["tier", "lookups", "share_of_lookups"]].values.tolist() == [["device", 12, 0.75], ["host", 4, 0.25]]
     assert at.metric[0].value == "66.7%"
-    (link,) = at.get("page_link")  # to the requests swa_window limited
+    for_reason, link = at.get("page_link")  # to the requests swa_window limited (for its reason)
     assert link.proto.page == "requests" and "form=swa_window" in link.proto.query_string.split("&")
+    assert for_reason.proto.page == "requests" and {"form=swa_window", "reason=swa_evicted"} <= set(for_reason.proto.query_string.split("&"))
 
 
 def test_a_form_without_lookups(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:

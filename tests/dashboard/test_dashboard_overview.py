@@ -127,7 +127,7 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
         "Recoverable vs raw hit rate",
         "Prompt tokens: recoverable / replayed / recomputed",
         "Usable rate per form",
-        "Recoverable rate per form",
+        "Tokens lost by limiting form and reason",
         "Ingest health",
     ]
     assert not at.error  # no rule scheduler in this agent: no banner, and no error either
@@ -145,6 +145,9 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
     (tokens,) = at.get("vega_lite_chart")[1].proto.datasets
     split = pa.ipc.open_stream(tokens.data.data).read_all().to_pandas()
     assert split.groupby("part")["prompt tokens"].sum().to_dict() == {"recoverable": 4000, "replayed": 0, "recomputed": 2000}
+    # no form limited r1 or r2: their 800 lost tokens are "(no form)", and no Forms link
+    lost = pa.ipc.open_stream(at.get("vega_lite_chart")[3].proto.datasets[0].data.data).read_all().to_pydict()
+    assert (lost["form"], lost["tokens"]) == (["(no form)"], [800])
     # the drill: the bucket with the widest raw − recoverable gap (r1 + r2's: 95 % raw, 75 %
     # recoverable; r0's has none) opens the Requests page on it
     (link,) = at.get("page_link")
@@ -232,29 +235,49 @@ def test_streamlit_command() -> None:
         streamlit_command("http://x", 0)
 
 
-def test_overview_banner_and_per_form_multiples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent.rollups import fold_cache_minute
-
-    base = (int(time.time()) // 60 - 2) * 60
+def test_overview_tokens_lost_banner_links_and_gaps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens lost by limiting form and reason (a tie under both forms, lighter), the link to the
+    Forms page on the form that lost most, firing alerts linking to Forms on their form and
+    reason, and a line broken across a bucket without data."""
+    base = (int(time.time()) // 60 - 3) * 60
+    tie = {"limiting_form": "swa_window", "limiting_reason": "swa_evicted", "limiting_forms": ["swa_window", "linear_state"]}
     events = [
-        request(base + 1, "r1", 1000, 600, 800),
-        lookup(base + 2, "r1", "full_kv", 800, 800),
-        lookup(base + 2, "r1", "swa_window", 800, 200),
+        {**request(base + 1, "r1", 1000, 200, 800), "limiting_form": "swa_window", "limiting_reason": "swa_evicted"},
+        {**request(base + 2, "r2", 1000, 600, 1000), **tie},
+        {**lookup(base + 2, "r2", "linear_state", 1000, 600), "reason": "linear_checkpoint_missing"},
+        request(base + 121, "r3", 1000, 999, 1000),  # two minutes later: the minute between has no data
     ]
     with running_agent(tmp_path) as agent:
         body = {"schema_version": 1, "engine_id": "e1", "seq": 0, "sent_at": base, "events": events}
-        assert httpx.post(f"{agent.url}/v1/events", json=body, timeout=10).json()["status"] == "stored"
-        assert fold_cache_minute(agent.store) == 2
+        stored = httpx.post(f"{agent.url}/v1/events", json=body, timeout=10).json()
+        assert stored.get("status") == "stored", stored
         agent.app.state.active_alerts = lambda: [
-            {"alertname": "RecoverableHitRateDrop", "state": "firing", "labels": {}, "annotations": {}, "value": 0.2, "active_at": 1.0, "firing_since": 2.0},
+            {"alertname": "RecoverableHitRateDrop", "state": "firing", "labels": {"engine": "e1"}, "annotations": {}, "value": 0.2, "active_at": 1.0, "firing_since": 2.0},
+            {"alertname": "FormInvalidationSpike", "state": "firing", "labels": {"engine": "e1", "form": "linear_state", "reason": "linear_checkpoint_missing"}, "annotations": {}, "value": 0.5, "active_at": 1.0, "firing_since": 2.0},
             {"alertname": "EngineSilent", "state": "pending", "labels": {}, "annotations": {}, "value": 1.0, "active_at": 1.0, "firing_since": None},
-        ]
+        ]  # fmt: skip
         monkeypatch.setenv("KVSCOPE_AGENT_URL", agent.url)
         monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
-        at = AppTest.from_file(APP, default_timeout=30).run()
+        at = AppTest.from_file(APP, default_timeout=30)
+        at.query_params["window"] = "1 hour"  # minute buckets
+        at.run()
     assert not at.exception
-    assert [e.value for e in at.error] == ["1 alert(s) firing: RecoverableHitRateDrop — see the Alerts page."]
-    multiples = at.get("vega_lite_chart")[-1]
-    (data,) = [pa.ipc.open_stream(d.data.data).read_all().to_pydict() for d in multiples.proto.datasets]
-    assert dict(zip(data["form"], data["recoverable_rate"], strict=True)) == {"full_kv": 1.0, "swa_window": 0.25}
-    assert '"facet"' in multiples.proto.spec
+    assert [e.value for e in at.error] == ["2 alert(s) firing: FormInvalidationSpike, RecoverableHitRateDrop — see the Alerts page."]
+    links = {link.proto.label: (link.proto.page, dict(parse_qsl(link.proto.query_string))) for link in at.get("page_link")}
+    assert links["FormInvalidationSpike on e1: open Forms on linear_state — no recurrent checkpoint (linear_checkpoint_missing)"] == (
+        "forms", {"window": "1 hour", "engine": "e1", "form": "linear_state", "reason": "linear_checkpoint_missing"}
+    )
+    assert links["RecoverableHitRateDrop on e1: open Forms on the form that lost most tokens"] == ("forms", {"window": "1 hour", "engine": "e1"})
+    most = "Most tokens lost: swa_window — sliding window evicted (swa_evicted), 1,000 of 1,000 tokens"
+    assert links[most] == ("forms", {"window": "1 hour", "form": "swa_window", "reason": "swa_evicted"})
+    lost = at.get("vega_lite_chart")[-1]
+    (data,) = [pa.ipc.open_stream(d.data.data).read_all().to_pydict() for d in lost.proto.datasets]
+    parts = {(f, r, p): t for f, r, p, t in zip(data["form"], data["reason"], data["part"], data["tokens"], strict=True)}
+    assert parts == {("swa_window", "swa_evicted", "alone"): 600, ("swa_window", "swa_evicted", "tied"): 400, ("linear_state", "linear_checkpoint_missing", "tied"): 400, ("(no form)", "none", "alone"): 1}
+    rates = at.get("vega_lite_chart")[0]
+    (data,) = [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in rates.proto.datasets]
+    raw = data[data["series"] == "raw"].sort_values("bucket")
+    assert raw["segment"].nunique() == 2  # broken across the empty minute
+    spec = json.loads(rates.proto.spec)
+    assert spec["encoding"]["detail"]["field"] == "segment"
+    assert dict(zip(spec["encoding"]["color"]["scale"]["domain"], spec["encoding"]["color"]["scale"]["range"], strict=True)) == {"recoverable": "#2ca02c", "raw": "#1f77b4"}

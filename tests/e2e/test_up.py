@@ -126,6 +126,19 @@ def test_up_exit_when_done_then_sql_on_the_file(tmp_path: Path) -> None:
     assert per_form == dict.fromkeys(FORMS, 12)
     total = kvscope_sql(db, "SELECT sum(recoverable_tokens), sum(prompt_tokens) FROM requests")["rows"][0]
     assert total == [summary["recoverable_tokens"], summary["prompt_tokens"]]
+    # the summary ranks tokens lost by limiting form and reason; per form (ties under each) they
+    # add up to the stored requests' hash-hit tokens that were not recoverable
+    lost = summary["losses"]
+    assert lost and [r["tokens_lost"] for r in lost] == sorted((r["tokens_lost"] for r in lost), reverse=True)
+    per_form_lost: dict[str | None, int] = {}
+    for r in lost:
+        per_form_lost[r["form"]] = per_form_lost.get(r["form"], 0) + r["tokens_lost"]
+    by_sql = kvscope_sql(
+        db,
+        "SELECT f, sum(hash_hit_tokens - recoverable_tokens)::BIGINT FROM (SELECT unnest(CASE WHEN len(limiting_forms) > 0 "
+        "THEN limiting_forms ELSE [limiting_form] END) AS f, * FROM requests WHERE hash_hit_tokens > recoverable_tokens) GROUP BY f",
+    )["rows"]
+    assert per_form_lost == {f: n for f, n in by_sql}
     # the agent ran the shipped rule file
     assert f"alert rules {DEFAULT_RULES_PATH}" in (data / "agent.log").read_text()
 
