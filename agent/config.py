@@ -116,6 +116,9 @@ class AgentConfig:
             ``alerts/default_notify.yaml`` (a JSONL log receiver).
         external_url: the agent's URL as receivers should link to it (``externalURL``,
             ``generatorURL``); ``None``: ``http://{host}:{port}``.
+        dashboard_url: the dashboard's URL, for ``{{ $dashboardURL }}`` in alert annotations
+            (the shipped rules' ``runbook_url`` opens its Forms page on the alert's form and
+            reason); ``None``: the links are relative (``/forms?...``).
         decode_processes: worker processes that decode and prepare event batches (0: two
             threads in the agent's process instead; see :mod:`agent.decode`).
         ingest_queue_max_events: events the ingest queue holds (decoded, waiting for a flush).
@@ -171,6 +174,7 @@ class AgentConfig:
     alert_rules_file: Path | None = None
     alert_notify_file: Path | None = None
     external_url: str | None = None
+    dashboard_url: str | None = None
     decode_processes: int = 2
     ingest_queue_max_events: int = 200_000
     ingest_full_policy: str = "reject"
@@ -260,8 +264,10 @@ class AgentConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, Path):
                 object.__setattr__(self, name, Path(value))
-        if self.external_url is not None and not self.external_url.startswith(("http://", "https://")):
-            raise ValueError(f"external_url must be an http(s) URL, got {self.external_url!r}")
+        for name in ("external_url", "dashboard_url"):
+            url = getattr(self, name)
+            if url is not None and (not url.startswith(("http://", "https://")) or "{" in url or "}" in url):
+                raise ValueError(f"{name} must be an http(s) URL, got {url!r}")
 
     @property
     def query_concurrency(self) -> int:

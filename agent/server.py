@@ -49,6 +49,8 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
         alerts.notify_config.NotifyConfigError: ``config.alert_notify_file`` cannot be used.
     """
     rules = load_rule_file(config.alert_rules_file or DEFAULT_RULES_PATH)
+    if config.dashboard_url is not None:
+        rules = rules.with_dashboard_url(config.dashboard_url)
     notify = load_notify_config(config.alert_notify_file or DEFAULT_NOTIFY_PATH, data_dir=config.data_dir)
     config.data_dir.mkdir(parents=True, exist_ok=True)
     metrics = AgentMetrics(

@@ -155,8 +155,11 @@ def expressions(rule: Rule) -> list[tuple[dict[str, str], str]]:
     return []
 
 
-def export_prometheus(rules: RuleFile) -> str:
-    """The Prometheus rule file (YAML text) equivalent to ``rules``' built-in rules."""
+def export_prometheus(rules: RuleFile, dashboard_url: str = "") -> str:
+    """The Prometheus rule file (YAML text) equivalent to ``rules``' built-in rules, with
+    ``{{ $dashboardURL }}`` bound to ``dashboard_url`` (Prometheus has no such variable; empty:
+    the links are relative)."""
+    rules = rules.with_dashboard_url(dashboard_url)
     skipped = [rule.alert for rule in rules.rules if rule.kind is None]
     groups = []
     for group in rules.groups:
@@ -170,7 +173,7 @@ def export_prometheus(rules: RuleFile) -> str:
                     entry["keep_firing_for"] = duration(rule.keep_firing_for_seconds)
                 entry["labels"] = {**rule.labels, **extra}
                 if rule.annotations:
-                    entry["annotations"] = dict(rule.annotations)  # our templates are Prometheus's
+                    entry["annotations"] = dict(rule.annotations)  # our templates are Prometheus's (urlquery too)
                 exported.append(entry)
         if exported:
             body: dict[str, object] = {"name": group.name}

@@ -42,7 +42,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ from alerts.rule_kinds import RankDisagreement as RankDisagreement
 from alerts.rule_kinds import RecoveryLatencyHigh as RecoveryLatencyHigh
 from alerts.rule_kinds import SilentFor as SilentFor
 from alerts.templates import PIPES as PIPES
+from alerts.templates import bind_dashboard_url
 from alerts.templates import check_template as check_template
 from alerts.templates import format_value as format_value
 from alerts.templates import humanize as humanize
@@ -136,6 +137,15 @@ class RuleFile:
     @property
     def rules(self) -> tuple[Rule, ...]:
         return tuple(rule for group in self.groups for rule in group.rules)
+
+    def with_dashboard_url(self, dashboard_url: str) -> RuleFile:
+        """The same rules with ``{{ $dashboardURL }}`` in their annotations bound to
+        ``dashboard_url`` (the agent's ``dashboard_url``)."""
+
+        def bound(rule: Rule) -> Rule:
+            return replace(rule, annotations={k: bind_dashboard_url(t, dashboard_url) for k, t in rule.annotations.items()})
+
+        return replace(self, groups=tuple(replace(g, rules=tuple(bound(r) for r in g.rules)) for g in self.groups))
 
 
 # -- loading -------------------------------------------------------------------------------------

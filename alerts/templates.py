@@ -1,15 +1,19 @@
 """Alert templates: the Prometheus subset ``{{ $labels.NAME }}``, ``{{ $value }}`` and the pipes
-``humanize``, ``humanizePercentage``, ``humanizeDuration`` (checked when a rule file loads,
-rendered when an alert notifies)."""
+``humanize``, ``humanizePercentage``, ``humanizeDuration`` on the value and ``urlquery`` on a
+label, plus ``{{ $dashboardURL }}`` — the dashboard's URL, as Prometheus's ``$externalURL`` is its
+own, so a ``runbook_url`` can open the dashboard's Forms page on the alert's form and reason
+(checked when a rule file loads, rendered when an alert notifies)."""
 
 from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 from collections.abc import Callable, Mapping
 
 _TEMPLATE_PART = re.compile(r"\{\{(.*?)\}\}", re.S)
-_EXPRESSION = re.compile(r"\s*\$(value|labels\.([a-zA-Z_][a-zA-Z0-9_]*))\s*(?:\|\s*([a-zA-Z]+)\s*)?")
+_EXPRESSION = re.compile(r"\s*\$(value|dashboardURL|labels\.([a-zA-Z_][a-zA-Z0-9_]*))\s*(?:\|\s*([a-zA-Z]+)\s*)?")
+_DASHBOARD_URL = re.compile(r"\{\{\s*\$dashboardURL\s*\}\}")
 def format_value(value: float) -> str:
     """``$value`` as Prometheus prints a float (Go's shortest ``%g``): the fewest digits that
     read back exactly, in exponent form when the exponent is below −4 or at least 6
@@ -95,24 +99,36 @@ def check_template(text: str) -> None:
                 f"unsupported template {match.group(0)!r}: use {{{{ $value }}}}, "
                 f"{{{{ $labels.NAME }}}} and the pipes {', '.join(PIPES)}"
             )
-        pipe = expression.group(3)
-        if pipe is not None and pipe not in PIPES:
-            raise ValueError(f"unknown template pipe {pipe!r} in {match.group(0)!r}; known: {', '.join(PIPES)}")
-        if pipe is not None and expression.group(2) is not None:
-            raise ValueError(f"pipe {pipe!r} applies to $value only, not to labels, in {match.group(0)!r}")
+        pipe, label = expression.group(3), expression.group(2)
+        if pipe is not None and pipe not in (*PIPES, "urlquery"):
+            raise ValueError(f"unknown template pipe {pipe!r} in {match.group(0)!r}; known: {', '.join(PIPES)}, urlquery")
+        if pipe is not None and label is not None and pipe != "urlquery":
+            raise ValueError(f"pipe {pipe!r} applies to $value only, not to labels (those take urlquery), in {match.group(0)!r}")
+        if pipe == "urlquery" and label is None:
+            raise ValueError(f"pipe urlquery applies to labels only, in {match.group(0)!r}")
     if "{{" in _TEMPLATE_PART.sub("", text) or "}}" in _TEMPLATE_PART.sub("", text):
         raise ValueError(f"unbalanced braces in template {text!r}")
 
 
+def bind_dashboard_url(text: str, dashboard_url: str) -> str:
+    """``text`` with every ``{{ $dashboardURL }}`` replaced by ``dashboard_url`` (without a
+    trailing ``/``), the rest left for :func:`render_template`."""
+    return _DASHBOARD_URL.sub(lambda _: dashboard_url.rstrip("/"), text)
+
+
 def render_template(text: str, labels: Mapping[str, str], value: float | None) -> str:
-    """Fill a checked template: ``$labels.NAME`` (empty when absent) and ``$value`` (``no
-    data`` when None)."""
+    """Fill a checked template: ``$labels.NAME`` (empty when absent; ``| urlquery`` escapes it
+    for a URL's query), ``$value`` (``no data`` when None) and ``$dashboardURL`` when no URL was
+    bound (:func:`bind_dashboard_url`): empty, so a link stays relative to the dashboard."""
 
     def fill(match: re.Match[str]) -> str:
         expression = _EXPRESSION.fullmatch(match.group(1))
         assert expression is not None, "templates are checked at load"
+        if expression.group(1) == "dashboardURL":
+            return ""
         if expression.group(2) is not None:
-            return labels.get(expression.group(2), "")
+            text = labels.get(expression.group(2), "")
+            return urllib.parse.quote_plus(text) if expression.group(3) == "urlquery" else text
         if value is None:
             return "no data"
         pipe = expression.group(3)

@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--alert-interval-seconds", type=positive_float, default=None, help="evaluate rule groups without their own interval every N s instead of every minute")
     up.add_argument("--alert-rules", type=Path, default=None, help="the agent's alert rule file (default: the shipped alerts/default_rules.yaml)")
     up.add_argument("--squeeze-window-pool", type=squeeze, default=None, metavar="START:DURATION", help="drill: from START s into the replay, for DURATION s, the swa_window pool keeps no cached pages, so the recoverable hit rate drops and the alerts fire, then resolve")
+    up.add_argument(
+        "--drill", action="store_true",
+        help="the alert drill sized to this machine: measure the replay's rate, derive second-scale drop rules and a window-pool "
+        "squeeze from it, report the seconds to page and to resolve, and end the replay once resolved (exit 1 if it never paged)",
+    )  # fmt: skip
     up.add_argument("--alert-notify", type=Path, default=None, help="the agent's notification file: routes, receivers, Alertmanagers (default: the shipped alerts/default_notify.yaml)")
     add_replay_flags(up)
 
@@ -42,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--alert-interval-seconds", type=positive_float, default=None, help=argparse.SUPPRESS)
     agent.add_argument("--alert-rules", type=Path, default=None, help="the alert rule file (overrides alert_rules_file; default: the shipped one)")
     agent.add_argument("--alert-notify", type=Path, default=None, help="the notification file (overrides alert_notify_file; default: the shipped one)")
+    agent.add_argument("--dashboard-url", default=None, help="the dashboard's URL, for {{ $dashboardURL }} in alert annotations (the shipped runbook links; overrides dashboard_url)")
     agent.add_argument("--exit-with-parent", action="store_true", help="shut down when the process that started the agent exits (kvscope up uses it)")
 
     dash = sub.add_parser("dashboard", parents=[verbose], help="the Streamlit dashboard")
@@ -110,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         "export-prometheus", parents=[verbose], help="write equivalent Prometheus alerting rules over the agent's metrics"
     )
     export.add_argument("file", type=Path, metavar="FILE")
+    export.add_argument("--dashboard-url", default=None, help="the kvscope dashboard's URL, for {{ $dashboardURL }} in the annotations (default: relative links)")
     export.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
     golden = alerts_sub.add_parser(
         "test", parents=[verbose], help="run rules over a golden time series and print the notifications (like promtool test rules)"

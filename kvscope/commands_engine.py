@@ -33,6 +33,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         alert_rules=args.alert_rules,
         alert_notify=args.alert_notify,
         squeeze=args.squeeze_window_pool,
+        drill=args.drill,
     )
     try:
         return run_up(opts)

@@ -34,6 +34,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
                 "alert_interval_seconds": args.alert_interval_seconds,
                 "alert_rules_file": args.alert_rules,
                 "alert_notify_file": args.alert_notify,
+                "dashboard_url": args.dashboard_url,
             }.items()
             if v is not None
         }
@@ -123,7 +124,7 @@ def cmd_alerts(args: argparse.Namespace) -> int:
         from alerts.prometheus_export import export_prometheus
 
         try:
-            text = export_prometheus(load_rule_file(args.file))
+            text = export_prometheus(load_rule_file(args.file), dashboard_url=args.dashboard_url or "")
         except RuleFileError as exc:
             raise UserError(str(exc)) from None
         if args.output is None:

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -132,6 +132,7 @@ def run_replay(
     stop: threading.Event | None = None,
     spool_dir: Path | None = None,
     squeeze: PoolSqueeze | None = None,
+    on_squeeze: Callable[[bool, float], None] | None = None,
 ) -> ReplayRun:
     """Replay ``requests`` through a fresh engine, showing progress on ``console``.
 
@@ -139,7 +140,8 @@ def run_replay(
     ``spool_dir`` while the agent cannot take them); the telemetry is flushed before this
     returns, and ``lost_events`` counts the events dropped or rejected on the way.
 
-    With ``squeeze`` the ``swa_window`` pool is squeezed for a while (:class:`PoolSqueeze`).
+    With ``squeeze`` the ``swa_window`` pool is squeezed for a while (:class:`PoolSqueeze`);
+    ``on_squeeze(squeezed, unix_time)`` is called when the squeeze begins and when it ends.
 
     Raises:
         ValueError: an unknown model or a cache configuration the model cannot use, or a squeeze
@@ -182,6 +184,8 @@ def run_replay(
                         what = f"squeezed to {squeeze.max_cached_blocks} cached pages ({evicted} evicted)" if due else "released"
                         clock = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
                         console.print(f"swa_window pool {what} at {elapsed:.0f} s ({clock})")
+                        if on_squeeze is not None:
+                            on_squeeze(due, time.time())
                 progress.update(task, completed=done, rate=rolling.text())
 
             tally = replay(llm, requests, config, on_request=on_request, stop=stop)

@@ -18,7 +18,7 @@ import logging
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
@@ -32,9 +32,10 @@ from alerts.rulefile import DEFAULT_RULES_PATH, load_rule_file
 from engine.cache import CacheConfig
 from engine.llm import check_cache_config
 from engine.presets import check_model_ref
-from engine.trace.formats import TraceError, load_trace
+from engine.trace.formats import TraceError, TraceRequest, load_trace
 from engine.trace.replay import ReplayConfig
 from kvscope.data import bundled_trace
+from kvscope.drill import DRILL_NOTIFY_PATH, DrillPlan, DrillWatch, calibrate
 from kvscope.replaying import (
     PoolSqueeze,
     drain_earlier_spools,
@@ -66,6 +67,8 @@ class UpOptions:
     """The agent's notification file (None: the shipped default, ``alerts/default_notify.yaml``)."""
     squeeze: PoolSqueeze | None = None
     """A window-pool squeeze drill during the replay (None: none)."""
+    drill: bool = False
+    """The drill sized to this machine (:mod:`kvscope.drill`): its own rules and squeeze."""
 
 
 def run_up(opts: UpOptions) -> int:
@@ -76,6 +79,8 @@ def run_up(opts: UpOptions) -> int:
         raise TraceError(f"{trace_path}: the trace holds no requests")
     check_model_ref(opts.model)  # an unknown model fails before anything starts
     check_cache_config(opts.model, opts.cache)  # so does a cache the model cannot use
+    if opts.drill and (opts.squeeze is not None or opts.alert_rules is not None):
+        raise ValueError("--drill sizes its own squeeze and rules: leave out --squeeze-window-pool and --alert-rules")
     load_rule_file(opts.alert_rules or DEFAULT_RULES_PATH)  # and a bad rule or notification file
     load_notify_config(opts.alert_notify or DEFAULT_NOTIFY_PATH, data_dir=opts.data_dir)
     if opts.data_dir.exists() and not opts.data_dir.is_dir():
@@ -95,6 +100,12 @@ def run_up(opts: UpOptions) -> int:
         )
         return 2
     opts.data_dir.mkdir(parents=True, exist_ok=True)
+    plan: DrillPlan | None = None
+    if opts.drill:
+        plan = _plan_drill(opts, requests, err)
+        rules_path = opts.data_dir / "drill_rules.yaml"
+        rules_path.write_text(plan.rule_file_text())
+        opts = replace(opts, alert_rules=rules_path, alert_notify=opts.alert_notify or DRILL_NOTIFY_PATH, squeeze=plan.squeeze)
     agent_url = f"http://127.0.0.1:{opts.agent_port}"
     stop = threading.Event()
     _install_stop_handlers(stop)
@@ -110,6 +121,8 @@ def run_up(opts: UpOptions) -> int:
         agent_cmd += ["--alert-rules", str(opts.alert_rules or DEFAULT_RULES_PATH)]
         if opts.alert_notify is not None:
             agent_cmd += ["--alert-notify", str(opts.alert_notify)]
+        if opts.dashboard:  # the shipped rules' runbook links open this dashboard's Forms page
+            agent_cmd += ["--dashboard-url", f"http://127.0.0.1:{opts.dashboard_port}"]
         agent = services.start("agent", agent_cmd, opts.data_dir / "agent.log")
         services.wait_http_ok(agent, agent_url + "/readyz", timeout_seconds=60)
         err.print(f"agent      {agent_url}  (DuckDB {opts.data_dir / 'kvscope.duckdb'}, metrics {agent_url}/metrics)")
@@ -128,6 +141,9 @@ def run_up(opts: UpOptions) -> int:
                 env={"KVSCOPE_AGENT_URL": agent_url},
             )
             err.print(f"dashboard  http://127.0.0.1:{opts.dashboard_port}")
+        watch = DrillWatch(plan=plan, client=AgentClient(base_url=agent_url, timeout_seconds=10), stop=stop) if plan is not None else None
+        if watch is not None:
+            watch.start()
         run = run_replay(
             model=opts.model,
             cache=opts.cache,
@@ -139,18 +155,26 @@ def run_up(opts: UpOptions) -> int:
             stop=stop,
             spool_dir=opts.data_dir / "spool",
             squeeze=opts.squeeze,
+            on_squeeze=watch.on_squeeze if watch is not None else None,
         )
+        if watch is not None:
+            watch.close()
+            err.print(_drill_line(watch))
         summary, consistent = stored_summary(agent_url, run, err)
         if summary is None:
             return 1
         if opts.json:
             doc = {"engine_id": run.engine_id, "trace": str(trace_path), "skipped_requests": run.tally.skipped_requests}
+            if watch is not None:
+                doc["drill"] = watch.to_json()
             print(json.dumps({**summary.to_json(), **doc}), flush=True)
         else:
             summary.render(Console())
-        if run.lost_events or not consistent:
+        if run.lost_events or not consistent or (watch is not None and watch.verdict() is not None):
             return 1
-        if not opts.exit_when_done and not stop.is_set():
+        interrupted = stop.is_set() and not (watch is not None and watch.ended_replay)
+        if not opts.exit_when_done and not interrupted:
+            stop.clear()
             err.print("replay done; agent and dashboard keep running. Press Ctrl-C to stop.")
             while not stop.wait(1.0):
                 dead = [s.name for s in services.services if not s.alive()]
@@ -163,6 +187,27 @@ def run_up(opts: UpOptions) -> int:
         return 1
     finally:
         services.stop_all()
+
+
+def _plan_drill(opts: UpOptions, requests: list[TraceRequest], err: Console) -> DrillPlan:
+    """Measure this machine's replay rate and size the drill from it (:mod:`kvscope.drill`)."""
+    err.print("drill: measuring this machine's replay rate (at most 20 s) ...")
+    untiered = replace(opts.cache, host_tier_bytes=0, disk_tier_bytes=0, disk_tier_dir=None)
+    calibration = calibrate(model=opts.model, cache=untiered, config=opts.replay, requests=requests)
+    plan = DrillPlan.derive(calibration, max_wait_seconds=opts.replay.max_wait_seconds)
+    err.print(f"drill: {plan.describe()}")
+    return plan
+
+
+def _drill_line(watch: DrillWatch) -> str:
+    result = watch.to_json()
+    failure = watch.verdict()
+    if failure is not None:
+        return f"[red]drill failed: {failure}[/]"
+    return (
+        f"drill: paged {result['detection_seconds']:.1f} s after the squeeze began, "
+        f"resolved {result['resolve_seconds']:.1f} s after the pool was released"
+    )
 
 
 def _warn_if_degraded(err: Console, agent_url: str) -> None:

@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pyarrow as pa
@@ -15,6 +16,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from agent.rollups import fold_cache_minute
+from alerts.rulefile import DEFAULT_RULES_PATH, load_rule_file, render_template
 from tests.dashboard.agent_fixture import RunningAgent, render_page, running_agent
 
 M0 = (int(time.time()) // 60 - 3) * 60  # a whole minute, three minutes ago
@@ -127,3 +129,16 @@ def test_rank_disagreements_name_the_rank(tmp_path: Path, monkeypatch: pytest.Mo
         assert at.subheader[-1].value == "Tensor-parallel rank disagreements"
         table = at.dataframe[-1].value
         assert table[["tp_rank", "lookups", "tokens_lost", "requests"]].values.tolist() == [[1, 2, 128, 2]]
+
+
+def test_the_shipped_runbook_link_opens_the_form_and_reason_that_fired(agent: RunningAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    rules = load_rule_file(DEFAULT_RULES_PATH).with_dashboard_url(agent.url)
+    (spike,) = [r for r in rules.rules if r.alert == "FormInvalidationSpike"]
+    url = urlsplit(render_template(spike.annotations["runbook_url"], {"engine": "e1", "form": "swa_window", "reason": "epoch_changed"}, 0.3))
+    assert url.path == "/forms"
+    at = page(agent, monkeypatch, **{k: v[0] for k, v in parse_qs(url.query).items()})
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert at.selectbox(key="form").value == "swa_window" and at.selectbox(key="engine").value == "e1"
+    assert "Form swa_window (set in the sidebar)." in [c.value for c in at.caption]
+    # the reason that fired is named on the page even though it limited no request
+    assert "swa_window lost no tokens for state replaced (epoch changed) (epoch_changed) in this window." in [c.value for c in at.caption]

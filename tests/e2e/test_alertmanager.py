@@ -1,9 +1,10 @@
-"""Issue 7's acceptance against a real Alertmanager (Debian's ``prometheus-alertmanager``): a
-recoverable-hit-rate drop injected into a running ``kvscope up`` (the ``swa_window`` pool
-squeezed to no cached pages, so evictions start and no resume point survives) reaches a webhook
-the test runs, through Alertmanager, within two evaluation intervals after the rule's ``for``;
-its resolve arrives after the pool is released and the hit rate recovers. Intervals are
-second-scale; everything listens on 127.0.0.1 and is stopped by PID.
+"""The alert drill against a real Alertmanager (Debian's ``prometheus-alertmanager``), test-sized:
+``kvscope up --drill`` with the tiny model measures the machine's replay rate, derives its
+second-scale drop rule and ``swa_window`` squeeze from it (:mod:`kvscope.drill`), and the page
+reaches a webhook the test runs, through Alertmanager, within two evaluation intervals of the
+evaluation that fired it; the resolve arrives after the pool is released and the hit rate
+recovers, and the drill then ends the replay by itself. Everything listens on 127.0.0.1 and is
+stopped by PID.
 
 Run it as ``make test`` does (``python -m pytest``): it imports the shared test helpers.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import signal
+import subprocess
 import sys
 import threading
 import time
@@ -35,9 +36,7 @@ pytestmark = pytest.mark.e2e
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager") or ""
 MISSING = "install Debian's `prometheus-alertmanager` package (`apt-get install prometheus-alertmanager`; `make test` does it as root)"
 
-DRILL = ROOT / "alerts" / "examples"
-INTERVAL = 1.0
-"""The drill rule group's interval (alerts/examples/drill_rules.yaml)."""
+DRILL_NOTIFY = ROOT / "alerts" / "examples" / "drill_notify.yaml"
 ALERTMANAGER_YML = """\
 route:
   receiver: hook
@@ -51,9 +50,8 @@ receivers:
       - url: http://127.0.0.1:{port}/hook
         send_resolved: true
 """
-SQUEEZE_AT, SQUEEZE_FOR = 30, 25
-RESOLVE_WITHIN = 240
-"""Seconds from the pool's release to the resolve at the webhook (about 35 s on an idle machine)."""
+DRILL_WITHIN = 600
+"""Seconds the whole drill may take (about 110 s on an idle 2-core machine with the tiny model)."""
 
 
 class Hook:
@@ -87,11 +85,11 @@ class Hook:
 
 
 @pytest.mark.skipif(not ALERTMANAGER, reason=f"Alertmanager not found: {MISSING}")
-def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path: Path) -> None:
+def test_the_drill_pages_through_alertmanager_and_resolves(tmp_path: Path) -> None:
     hook = Hook()
     am_port, agent_port = free_port(), free_port()
     (tmp_path / "alertmanager.yml").write_text(ALERTMANAGER_YML.format(port=hook.port))
-    notify = yaml.safe_load((DRILL / "drill_notify.yaml").read_text())
+    notify = yaml.safe_load(DRILL_NOTIFY.read_text())
     notify["alertmanagers"] = [{"url": f"http://127.0.0.1:{am_port}"}]
     (tmp_path / "notify.yaml").write_text(yaml.safe_dump(notify))
     data = tmp_path / "data"
@@ -113,49 +111,48 @@ def test_a_squeezed_window_pool_pages_through_alertmanager_and_resolves(tmp_path
         )  # fmt: skip
         up = start(
             [
-                sys.executable, "-m", "kvscope", "up", "--no-dashboard", "--exit-when-done", "--json",
-                "--data-dir", str(data), "--agent-port", str(agent_port), "--max-requests", "1000",
-                "--alert-rules", str(DRILL / "drill_rules.yaml"), "--alert-notify", str(tmp_path / "notify.yaml"),
-                "--squeeze-window-pool", f"{SQUEEZE_AT}:{SQUEEZE_FOR}",
+                sys.executable, "-m", "kvscope", "up", "--no-dashboard", "--exit-when-done", "--json", "--drill",
+                "--model", "kvscope_hybrid-tiny", "--data-dir", str(data), "--agent-port", str(agent_port),
+                "--alert-notify", str(tmp_path / "notify.yaml"),
             ],
             tmp_path / "up.log",
             cwd=ROOT,
             env=agent_env(),
         )  # fmt: skip
-        # bounded: the squeeze ends SQUEEZE_AT + SQUEEZE_FOR wall seconds into the replay whatever
-        # the machine's load; the resolve then needs the sessions to come back to the re-filled
-        # pool, which a slowed replay does proportionally later, hence the wide second bound
-        deadline, released = time.monotonic() + 300, False
-        while not hook.alerts("resolved"):
-            assert up.poll() is None, f"kvscope up ended before the resolve reached the webhook: {_progress(tmp_path)}"
-            if not released and "pool released" in (tmp_path / "up.log").read_text():
-                deadline, released = time.monotonic() + RESOLVE_WITHIN, True
-            assert time.monotonic() < deadline, f"no resolve reached the webhook: {_progress(tmp_path)}"
-            time.sleep(0.2)
-        time.sleep(3)  # anything more (a second page, a second resolve) would arrive now
-        up.send_signal(signal.SIGTERM)  # stop the replay: it prints its summary and stops the agent
-        up_rc = up.wait(timeout=180)
+        try:  # bounded: the drill ends the replay once the alert resolved (or its deadline passed)
+            up_rc = up.wait(timeout=DRILL_WITHIN)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the drill did not end within {DRILL_WITHIN} s: {_progress(tmp_path)}")
+        time.sleep(3)  # anything more from Alertmanager (a second page, a second resolve) would arrive now
     finally:
         stop(up)
         stop(alertmanager)
         hook.close()
     log = (tmp_path / "up.log").read_text()
     assert up_rc == 0, log[-3000:]
+    drill = json.loads(next(line for line in log.splitlines() if line.startswith("{")))["drill"]
+    assert drill["failure"] is None, drill
+    rules = yaml.safe_load((data / "drill_rules.yaml").read_text())["groups"][0]
+    interval = float(rules["interval"].removesuffix("s"))
+    assert interval == drill["plan"]["interval_seconds"] and rules["rules"][0]["window"] == f"{drill['plan']['window_seconds']}s"
     squeezed_at = _clock(log, "squeezed to 0 cached pages")
     released_at = _clock(log, "released")
+    assert abs(squeezed_at - drill["squeezed_at"]) < 1 and abs(released_at - drill["released_at"]) < 1
     transitions = [json.loads(line) for line in (data / "alerts.log").read_text().splitlines()]
     assert [t["status"] for t in transitions] == ["firing", "resolved"], transitions
     fired, resolved = transitions
     assert fired["value"] < 0.2 and fired["labels"]["severity"] == "page"
     assert squeezed_at < fired["at"] < released_at  # it fired during the squeeze ...
     assert resolved["at"] > released_at  # ... and resolved only once the pool was released
+    assert drill["detection_seconds"] == pytest.approx(fired["at"] - squeezed_at, abs=1.0)
+    assert drill["resolve_seconds"] == pytest.approx(resolved["at"] - released_at, abs=1.0)
     # the page: one firing alert through Alertmanager, within two evaluation intervals (plus
     # Alertmanager's own group_wait of 1 s) of the evaluation that fired it after `for`
     firing = hook.alerts("firing")
     assert firing, hook.received
-    assert {a["fingerprint"] for _, a in firing} and {a["labels"]["alertname"] for _, a in firing} == {"RecoverableHitRateDrop"}
+    assert {a["labels"]["alertname"] for _, a in firing} == {"RecoverableHitRateDrop"}
     first_page = min(at for at, _ in firing)
-    assert first_page - fired["at"] <= 2 * INTERVAL + 1.0, (first_page, fired["at"])
+    assert first_page - fired["at"] <= 2 * interval + 1.0, (first_page, fired["at"])
     assert firing[0][1]["labels"]["engine"] == fired["labels"]["engine"]
     assert "fell to" in firing[0][1]["annotations"]["summary"]
     # no page before the drill started, no second page for the same alert

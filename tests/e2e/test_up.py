@@ -250,6 +250,7 @@ def test_replay_sends_its_events_to_an_agent(tmp_path: Path) -> None:
         (["--squeeze-window-pool", "soon"], "is not START:DURATION in seconds"),
         (["--squeeze-window-pool", "0:inf"], "START and DURATION must be finite seconds"),
         (["--squeeze-window-pool", "5:0"], "DURATION > 0"),
+        (["--drill", "--squeeze-window-pool", "5:10"], "--drill sizes its own squeeze and rules"),
         (["--alert-rules", "FILE"], "FILE: expected a mapping"),
         (["--alert-notify", "FILE"], "missing field 'route'"),
     ],
