@@ -44,26 +44,25 @@ def alert_routes(*, config: AgentConfig, state: Any, current_store: Callable[[],
     """The alert and silence routes; ``state`` is the app's ``state`` (its ``active_alerts`` and
     ``missed_evaluations`` are set by :func:`agent.server.serve`)."""
     router = APIRouter()
-    @router.get("/v1/alerts")
-    async def active_alerts() -> JSONResponse:
-        source = state.active_alerts
+
+    def scheduler_source(name: str) -> Callable[[], Any]:
+        """The rule scheduler's ``name`` view, set on ``state`` by :func:`agent.server.serve`."""
+        source = getattr(state, name)
         if source is None:
             raise ApiError(503, "no rule scheduler runs in this process")
-        return JSONResponse({"alerts": await run_in_threadpool(source)})
+        return source
+
+    @router.get("/v1/alerts")
+    async def active_alerts() -> JSONResponse:
+        return JSONResponse({"alerts": await run_in_threadpool(scheduler_source("active_alerts"))})
 
     @router.get("/v1/alerts/missed-evaluations")
     async def missed_evaluations() -> JSONResponse:
-        source = state.missed_evaluations
-        if source is None:
-            raise ApiError(503, "no rule scheduler runs in this process")
-        return JSONResponse({"missed": source()})
+        return JSONResponse({"missed": scheduler_source("missed_evaluations")()})
 
     @router.get("/v1/alerts/rules")
     async def rule_health() -> JSONResponse:
-        source = state.rule_health
-        if source is None:
-            raise ApiError(503, "no rule scheduler runs in this process")
-        return JSONResponse({"rules": source()})
+        return JSONResponse({"rules": scheduler_source("rule_health")()})
 
     @router.get("/v1/silences")
     async def list_silences() -> JSONResponse:
