@@ -173,7 +173,8 @@ RECENT_REQUESTS = NamedQuery(
     description=(
         "The latest requests, newest first; optionally only those in the last since_seconds, "
         "with ts in [start_ts, end_ts) (unix seconds: one chart bucket), limited by one form "
-        "(the named limiting_form, not any form of a tie) and/or one reason (limiting_reason), or whose request id contains search "
+        "(the named limiting_form or any form of a tie) and/or one reason (limiting_reason: with "
+        "limiting_form, that form's own reason, as tokens_lost charges a tie), or whose request id contains search "
         "(case-insensitive). limiting_forms lists every form tied as limiting ([] when none, or "
         "for rows stored before schema 9)."
     ),
@@ -184,8 +185,15 @@ RECENT_REQUESTS = NamedQuery(
       AND ($since_seconds::BIGINT IS NULL OR ts >= $now - to_seconds($since_seconds::BIGINT))
       AND ($start_ts::DOUBLE IS NULL OR ts >= make_timestamp(($start_ts::DOUBLE * 1e6)::BIGINT))
       AND ($end_ts::DOUBLE IS NULL OR ts < make_timestamp(($end_ts::DOUBLE * 1e6)::BIGINT))
-      AND ($limiting_form::VARCHAR IS NULL OR limiting_form = $limiting_form)
-      AND ($limiting_reason::VARCHAR IS NULL OR limiting_reason = $limiting_reason)
+      AND ($limiting_form::VARCHAR IS NULL OR limiting_form = $limiting_form OR list_contains(limiting_forms, $limiting_form))
+      AND ($limiting_reason::VARCHAR IS NULL OR CASE
+            WHEN $limiting_form::VARCHAR IS NULL OR limiting_form = $limiting_form THEN limiting_reason = $limiting_reason
+            -- a tied form's own reason, as tokens_lost charges it: its lookup of least usable tokens
+            ELSE coalesce((
+                SELECT arg_min(l.reason, l.usable_tokens) FROM cache_lookups AS l
+                WHERE l.engine_id = requests.engine_id AND l.request_id = requests.request_id AND l.form = $limiting_form
+                  AND l.ts BETWEEN requests.ts - {LOOKUP_SLACK} AND requests.ts + {LOOKUP_SLACK}
+            ), limiting_reason) = $limiting_reason END)
       AND ($search::VARCHAR IS NULL OR contains(lower(request_id), lower($search)))
     ORDER BY ts DESC, request_id
     LIMIT $limit
@@ -197,7 +205,7 @@ RECENT_REQUESTS = NamedQuery(
         QueryParam(name="since_seconds", kind=int, minimum=1, maximum=366 * 86400, description="only requests this recent"),
         QueryParam(name="start_ts", kind=float, minimum=0, maximum=2**33, description="only requests at or after (unix seconds)"),
         QueryParam(name="end_ts", kind=float, minimum=0, maximum=2**33, description="only requests before (unix seconds)"),
-        QueryParam(name="limiting_form", kind=str, description="only requests this form limited"),
+        QueryParam(name="limiting_form", kind=str, description="only requests this form limited, alone or tied"),
         QueryParam(name="limiting_reason", kind=str, description="only requests whose resume point stopped for this reason"),
         QueryParam(name="search", kind=str, description="part of the request id (case-insensitive)"),
     ),

@@ -32,6 +32,7 @@ from dashboard.common import (
     sidebar_filters,
     time_tooltip,
     time_x,
+    utc_times,
 )
 
 MiB = 1024 * 1024
@@ -76,7 +77,7 @@ def pools_panel(pools: pd.DataFrame, now: pd.DataFrame) -> None:
         st.info("No engine stats in this window yet (engines send them every few seconds while serving).")
         return
     st.dataframe(latest(now), hide_index=True, column_config={"fill": st.column_config.ProgressColumn("fill", min_value=0.0, max_value=1.0)})
-    series = pools.assign(pool=pools["form"] + "/" + pools["tier"], used_MiB=pools["used_bytes"] / MiB)
+    series = utc_times(pools.assign(pool=pools["form"] + "/" + pools["tier"], used_MiB=pools["used_bytes"] / MiB))
     st.altair_chart(
         alt.Chart(series).mark_line(point=True).encode(
             x=time_x(), y=alt.Y("used_MiB:Q", title="MiB used"), color="pool:N", tooltip=[time_tooltip(), "pool:N", "used_MiB:Q"]
@@ -96,7 +97,7 @@ def gpu_panel(gpus: pd.DataFrame) -> None:
     if gpus.empty:
         st.info("No GPU samples: the agent found no NVIDIA GPU (or its sampler is off), so there is nothing to show.")
         return
-    gpus = gpus.assign(gpu=gpus["gpu_index"].astype(str) + " " + gpus["name"], memory_used_GiB=gpus["memory_used_bytes"] / 1024**3)
+    gpus = utc_times(gpus.assign(gpu=gpus["gpu_index"].astype(str) + " " + gpus["name"], memory_used_GiB=gpus["memory_used_bytes"] / 1024**3))
     columns = st.columns(2)
     columns[0].altair_chart(
         alt.Chart(gpus).mark_line(point=True).encode(x=time_x(), y=alt.Y("memory_used_GiB:Q", title="GiB used"), color="gpu:N"),

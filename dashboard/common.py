@@ -215,6 +215,15 @@ def time_x(field: str = "bucket") -> alt.X:
     return alt.X(f"{field}:T", title="UTC", scale=alt.Scale(type="utc"), axis=alt.Axis(labelExpr=TIME_LABELS))
 
 
+def utc_times(frame: pd.DataFrame, field: str = "bucket") -> pd.DataFrame:
+    """``frame`` with its time column ``field`` (naive UTC, as the agent stores it) marked UTC:
+    the data of a chart drawn with :func:`time_x`. Streamlit hands a chart a naive time as the
+    browser's wall clock, so on a utc axis a browser off UTC drew it shifted by its offset
+    (19:50 UTC at 00:50 in New York); a zoned time is drawn where it is."""
+    times = pd.to_datetime(frame[field])
+    return frame.assign(**{field: times if times.dt.tz is not None else times.dt.tz_localize("UTC")})
+
+
 def time_tooltip(field: str = "bucket") -> alt.Tooltip:
     return alt.Tooltip(f"{field}:T", title="UTC", format="%Y-%m-%d %H:%M:%S", formatType="utc")
 
@@ -225,7 +234,7 @@ def stacked_bars(wide: pd.DataFrame, series: str, value: str, *, kind: str) -> a
     x = wide.index.name or "index"
     long = wide.reset_index().melt(id_vars=x, var_name=series, value_name=value)
     return (
-        alt.Chart(long)
+        alt.Chart(utc_times(long, x))
         .mark_bar()
         .encode(x=time_x(x), y=alt.Y(f"{value}:Q", stack=True), color=color(series, kind, wide.columns), tooltip=[time_tooltip(x), f"{series}:N", f"{value}:Q"])
     )

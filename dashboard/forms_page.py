@@ -42,6 +42,7 @@ from dashboard.common import (
     stacked_bars,
     time_tooltip,
     time_x,
+    utc_times,
     with_gaps,
 )
 from dashboard.losses import most_lost, reason_ranking
@@ -194,12 +195,12 @@ def latency_panel(rows: pd.DataFrame, bucket_seconds: float) -> None:
     long = quantiles.melt(id_vars=["bucket"], value_vars=["p50", "p95", "p99"], var_name="quantile", value_name="seconds")
     long = with_gaps(long, "bucket", "quantile", "seconds", bucket_seconds)
     st.altair_chart(
-        alt.Chart(long).mark_line(point=True).encode(x=time_x(), y="seconds:Q", color=color("quantile", "series", ["p50", "p95", "p99"]), detail="segment:N"),
+        alt.Chart(utc_times(long)).mark_line(point=True).encode(x=time_x(), y="seconds:Q", color=color("quantile", "series", ["p50", "p95", "p99"]), detail="segment:N"),
         width="stretch",
     )
     bands = [f"≤ {b:g} s" for b in RECOVERY_BUCKETS] + [f"> {RECOVERY_BUCKETS[-1]:g} s"]
     st.altair_chart(
-        alt.Chart(latency_heatmap(rows))
+        alt.Chart(utc_times(latency_heatmap(rows)))
         .mark_rect()
         .encode(
             x=time_x(),
@@ -230,7 +231,7 @@ def limiting_panel(limiting: pd.DataFrame, form: str, bucket_seconds: float) -> 
     st.metric("Share of requests it limited", f"{overall:.1%}")
     st.caption("A request whose forms tied counts once here, under the form named first; the reasons above count it for each.")
     st.altair_chart(
-        alt.Chart(share).mark_line(point=True).encode(x=time_x(), y=alt.Y("share:Q", axis=alt.Axis(format="%")), detail="segment:N"),
+        alt.Chart(utc_times(share)).mark_line(point=True).encode(x=time_x(), y=alt.Y("share:Q", axis=alt.Axis(format="%")), detail="segment:N"),
         width="stretch",
     )
 

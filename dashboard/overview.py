@@ -51,6 +51,7 @@ from dashboard.common import (
     time_tooltip,
     time_x,
     unix_seconds,
+    utc_times,
     with_gaps,
 )
 from dashboard.losses import losses_chart, most_lost
@@ -257,7 +258,7 @@ def _lines(wide: pd.DataFrame, series: str, value: str, bucket_seconds: float, *
     x = wide.index.name or "index"
     long = with_gaps(wide.reset_index().melt(id_vars=x, var_name=series, value_name=value), x, series, value, bucket_seconds)
     return (
-        alt.Chart(long)
+        alt.Chart(utc_times(long, x))
         .mark_line(point=True)
         .encode(
             x=time_x(x),

@@ -15,7 +15,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.client import AgentClient, AgentError
-from dashboard.common import Filters, query, time_tooltip, time_x
+from dashboard.common import Filters, query, time_tooltip, time_x, utc_times
 
 FORM = "indexer_state"
 
@@ -61,7 +61,7 @@ def delay_chart(rows: pd.DataFrame, unit: str, title: str) -> alt.Chart:
     long["statistic"] = long["statistic"].str.removesuffix(f"_delay_{unit}")
     long["layer_group"] = long["layer_group"].astype(str)
     return (
-        alt.Chart(long)
+        alt.Chart(utc_times(long))
         .mark_line(point=True)
         .encode(
             x=time_x(),

@@ -70,3 +70,25 @@ def test_a_bad_window_is_a_400_naming_the_parameter(client: TestClient) -> None:
     response = client.get("/v1/query/tokens_lost", params={"since_seconds": 0})
     assert response.status_code == 400
     assert "since_seconds" in response.text
+
+
+def test_recent_requests_lists_the_requests_behind_each_charge(client: TestClient) -> None:
+    """The Forms page's link from a (form, reason) of ``tokens_lost`` to the Requests page:
+    ``recent_requests`` filtered on that limiting form and reason lists exactly the requests that
+    lost tokens charged there — a tied form's requests under its own reason too."""
+    _store(client)
+
+    def requests(**params: object) -> list[str]:
+        response = client.get("/v1/query/recent_requests", params={"since_seconds": 600, **params})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        return sorted(row[body["columns"].index("request_id")] for row in body["rows"])
+
+    assert requests(limiting_form="linear_state") == ["b"]  # tied, not the named form
+    assert requests(limiting_form="linear_state", limiting_reason="linear_checkpoint_missing") == ["b"]
+    assert requests(limiting_form="linear_state", limiting_reason="swa_evicted") == []  # the named form's reason is not its own
+    assert requests(limiting_form="swa_window", limiting_reason="swa_evicted") == ["a", "b"]
+    assert requests(limiting_reason="admission_recompute_cheaper") == ["d"]
+    for charge in rows(client, since_seconds=600):
+        if charge["form"] is not None:
+            assert len(requests(limiting_form=charge["form"], limiting_reason=charge["reason"])) == charge["requests"], charge

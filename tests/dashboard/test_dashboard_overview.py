@@ -154,7 +154,7 @@ def test_overview_shows_current_hit_rates(agent_url: str, monkeypatch: pytest.Mo
     assert link.proto.page == "requests"
     (dataset,) = at.get("vega_lite_chart")[0].proto.datasets
     second = sorted(set(pa.ipc.open_stream(dataset.data.data).read_all().column("bucket").to_pylist()))[1]
-    start = calendar.timegm(second.timetuple())  # r1 and r2's bucket (naive UTC), the chart's second
+    start = calendar.timegm(second.timetuple())  # r1 and r2's bucket (UTC: the chart marks it so), the chart's second
     assert dict(parse_qsl(link.proto.query_string)) == {"window": "15 minutes", "form": "(all)", "start": str(start), "end": str(start + 15)}
     assert link.proto.label.endswith(" UTC, 95.0% raw, 75.0% recoverable")
 
