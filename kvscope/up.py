@@ -10,7 +10,7 @@
    Exit status 1 if any event was lost or the stored totals differ from the engine's.
 5. Keep agent and dashboard up until Ctrl-C unless ``--exit-when-done``; then stop them by PID.
 
-Shutdown (docs/serving.md): SIGTERM or Ctrl-C stops the replay after its current request, then
+Shutdown (docs/serving.md): SIGTERM or Ctrl-C starts no more requests (the running ones finish), then
 the dashboard, then the agent (last, so the telemetry is flushed to it), each SIGTERMed and
 SIGKILLed 10 s later if still there. A ``kvscope up`` SIGKILLed leaves nothing either: the
 dashboard gets the kernel's parent-death SIGKILL, the agent sees it was re-parented and stops.
@@ -246,7 +246,7 @@ def database_holder(db: Path) -> str | None:
 
 
 def _install_stop_handlers(stop: threading.Event) -> None:
-    """First SIGINT/SIGTERM: finish the current request, print the summary, stop the children.
+    """First SIGINT/SIGTERM: finish the running requests, print the summary, stop the children.
     A second SIGINT interrupts immediately."""
 
     def handler(sig: int, frame: FrameType | None) -> None:
