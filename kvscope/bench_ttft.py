@@ -30,14 +30,11 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engine.cache.config import CacheConfig
+import torch
 
-if TYPE_CHECKING:  # torch and the engine load when a benchmark runs, not when the CLI parses its flags
-    import torch
-
-    from engine.llm import LLM
+from engine import LLM, CacheConfig
 
 HELD_OUT_BYTES = 128 * 1024
 DEFAULT_TEXT = Path("../shared/data/text/tinyshakespeare/input.txt")
@@ -110,8 +107,6 @@ def disk_row(
 ) -> dict[str, Any]:
     """The ``disk`` plan: serve the prefix, offload every object to the disk tier, restart the
     engine on the same directory, then time the follow-up (swap-in + resume)."""
-    from engine.llm import LLM
-
     with tempfile.TemporaryDirectory(prefix="kvscope-bench-disk-") as where:
         config = dataclasses.replace(
             cache_for(len(ids), unit, len(ids) // unit + 8), tail_replay="off", disk_tier_bytes=1 << 40, disk_tier_dir=where
@@ -146,8 +141,6 @@ def run(model: str, prefixes: Sequence[int], suffix_tokens: int, text: Path, dev
     Raises:
         ValueError: the text is missing or too short, or a plan is not one of :data:`PLANS`.
     """
-    from engine.llm import LLM
-
     unknown = sorted(set(plans) - set(PLANS))
     if unknown:
         raise ValueError(f"unknown plan(s) {', '.join(unknown)}; the plans are {', '.join(PLANS)}")
