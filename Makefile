@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)

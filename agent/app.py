@@ -17,6 +17,9 @@ they share.
 * ``GET /v1/ingest/watermark?engine_id=E`` — ``{"engine_id", "durable_seq", "agent_instance"}``;
   ``POST /v1/ingest/checkpoint?engine_id=E`` checkpoints first (concurrent calls share one); 404
   without a :class:`~agent.durability.Durability`.
+* ``GET /v1/ingest/next-seq?engine_id=E`` — ``{"engine_id", "next_seq"}``: one above the highest
+  seq received from E (stored or rejected), 0 for an engine never heard of — where a restarted
+  engine keeping its id continues its seqs (:mod:`engine.run_seq`).
 * ``POST /v1/sql`` — ``{"sql": str, "format": "json"|"csv"|"arrow", "limit": int?}`` through the
   read-only sandbox (:mod:`agent.sql`). 400 bad SQL or request, 403 not a single SELECT, 408 time
   limit. ``limit`` is capped by ``sql_row_limit``. 429 with ``Retry-After`` when

@@ -24,8 +24,9 @@ _TS = pa.timestamp("us")
 
 @dataclass(frozen=True, slots=True)
 class _TableSpec:
-    """Where one event kind is stored: the table and its columns (event field names, except
-    ``ingested_at`` which the agent sets), with their Arrow types."""
+    """Where one event kind is stored: the table and its columns (event field names, then
+    :data:`BATCH_COLUMNS` from the batch and ``ingested_at`` which the agent sets), with their
+    Arrow types."""
 
     kind: str
     table: str
@@ -43,6 +44,10 @@ TABLE_OF_KIND = {
     "block": "block_events",
 }
 """Event kind (the ``kind`` tag) → the table its events go to."""
+
+BATCH_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (("run_id", pa.string()),)
+"""Columns every row of a batch takes from the batch's envelope (``EventBatch.run_id``: the
+engine process that sent it, NULL when the engine gave none)."""
 
 
 def _arrow_type(name: str, hint: object) -> pa.DataType:
@@ -80,7 +85,7 @@ def _spec(cls: type[msgspec.Struct]) -> _TableSpec:
     assert isinstance(kind, str)
     hints = typing.get_type_hints(cls, include_extras=True)
     columns = tuple((f.name, _arrow_type(f.name, hints[f.name])) for f in msgspec.structs.fields(cls))
-    return _TableSpec(kind, TABLE_OF_KIND[kind], (*columns, ("ingested_at", _TS)))
+    return _TableSpec(kind, TABLE_OF_KIND[kind], (*columns, *BATCH_COLUMNS, ("ingested_at", _TS)))
 
 
 TABLE_SPECS: dict[type[Event], _TableSpec] = {cls: _spec(cls) for cls in (CacheLookup, RequestEvent, EngineStats, BlockEvent)}
@@ -99,13 +104,14 @@ RECOVERY_BUCKETS = RECOVERY_BUCKETS_V3
 
 
 def _spec_columns(spec: _TableSpec) -> tuple[tuple[str, pa.DataType], ...]:
-    return tuple(c for c in spec.columns if c[0] != "ingested_at")
+    """The columns read off the events (neither the batch's nor ``ingested_at``)."""
+    return tuple(c for c in spec.columns if c[0] != "ingested_at" and c not in BATCH_COLUMNS)
 
 
 def build_tables(batch: EventBatch, *, ingested_at: datetime | None = None) -> dict[str, pa.Table]:
     """One Arrow table per event kind present in ``batch`` (table name → table), rows in batch
-    order, typed like the store's tables. ``ingested_at`` (naive UTC) adds that column; ``None``
-    leaves it out (a flush adds it)."""
+    order, typed like the store's tables, with the batch's ``run_id`` on every row.
+    ``ingested_at`` (naive UTC) adds that column; ``None`` leaves it out (a flush adds it)."""
     grouped: dict[type[Event], list[Event]] = defaultdict(list)
     for event in batch.events:
         grouped[type(event)].append(event)
@@ -121,7 +127,9 @@ def build_tables(batch: EventBatch, *, ingested_at: datetime | None = None) -> d
                 arrays.append(pa.array(micros).cast(dtype))
             else:
                 arrays.append(pa.array(column, dtype))
-        table = pa.Table.from_arrays(arrays, schema=pa.schema([pa.field(n, t) for n, t in columns]))
+        arrays.extend(pa.array([getattr(batch, name)] * len(items), dtype) for name, dtype in BATCH_COLUMNS)
+        fields = [pa.field(n, t) for n, t in (*columns, *BATCH_COLUMNS)]
+        table = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
         tables[spec.table] = table if ingested_at is None else with_ingested_at(table, ingested_at)
     return tables
 

@@ -18,7 +18,9 @@ Contract:
   of each event kind are :mod:`agent.event_tables`.
 
 ``ingest_batches.rows`` counts the event rows that batch stored: the event count for ``stored``,
-0 for ``duplicate`` and ``rejected``.
+0 for ``duplicate`` and ``rejected``. The batch's ``run_id`` is stored on its event rows and its
+``ingest_batches`` row, never in the idempotency key (an engine's seqs continue across its runs:
+:mod:`engine.run_seq`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class PreparedBatch:
     events_by_kind: dict[str, int]
     tables: dict[str, pa.Table]
     digest: int
+    run_id: str | None = None
 
 
 IngestStatus = Literal["stored", "duplicate", "conflict"]
@@ -95,6 +98,8 @@ class IngestOutcome:
     gap: tuple[int, int] | None = None
     committed_at: float = 0.0
     """When the transaction holding this batch committed (unix seconds)."""
+    run_id: str | None = None
+    """The batch's ``run_id`` (None: its engine gave none)."""
 
 
 def prepare_batch(batch: EventBatch) -> PreparedBatch:
@@ -109,6 +114,7 @@ def prepare_batch(batch: EventBatch) -> PreparedBatch:
         events_by_kind=by_kind,
         tables=build_tables(batch),
         digest=digest,
+        run_id=batch.run_id,
     )
 
 
@@ -153,7 +159,7 @@ def write_batches(
     """
     outcomes: list[IngestOutcome] = []
     stored_items: list[PreparedBatch] = []
-    batch_rows: list[tuple[str, int, int, str, str | None, int]] = []
+    batch_rows: list[_BatchRow] = []
     gap_rows: list[tuple[str, int, int]] = []
     in_flush: dict[tuple[str, int], int] = {}
     max_seen: dict[tuple[str, bool], int | None] = {}
@@ -167,7 +173,7 @@ def write_batches(
                 same = previous in (item.digest, _UNKNOWN_DIGEST)
                 status: IngestStatus = "duplicate" if same else "conflict"
                 error = None if same else _conflict_reason(item)
-                batch_rows.append((item.engine_id, item.seq, 0, "duplicate" if same else "rejected", error, item.digest))
+                batch_rows.append((item.engine_id, item.seq, 0, "duplicate" if same else "rejected", error, item.digest, item.run_id))
                 outcomes.append(_outcome(item, status))
                 continue
             numbering = (item.engine_id, item.seq >= LEGACY_SEQ_FLOOR)
@@ -178,7 +184,7 @@ def write_batches(
             max_seen[numbering] = item.seq if top is None else max(top, item.seq)
             in_flush[key] = item.digest
             stored_items.append(item)
-            batch_rows.append((item.engine_id, item.seq, item.events, "stored", None, item.digest))
+            batch_rows.append((item.engine_id, item.seq, item.events, "stored", None, item.digest, item.run_id))
             outcomes.append(_outcome(item, "stored", gap))
         tables = _concat_tables(stored_items, ingested_at)
         for spec in TABLE_SPECS.values():
@@ -207,14 +213,15 @@ def _outcome(item: PreparedBatch, status: IngestStatus, gap: tuple[int, int] | N
         events=item.events,
         events_by_kind=item.events_by_kind,
         gap=gap,
+        run_id=item.run_id,
     )
 
 
 def _conflict_reason(item: PreparedBatch) -> str:
     return (
-        f"seq {item.seq} of engine {item.engine_id!r} was already stored with other events: "
-        "an engine restarted under the same engine_id without its seq state; give each engine "
-        "run its own engine_id (or keep its spool directory)"
+        f"seq {item.seq} of engine {item.engine_id!r} was already stored with other events: two "
+        "engines send under this engine_id at once (give each its own), or a client that does not "
+        "continue its seqs after a restart (GET /v1/ingest/next-seq) reused one"
     )
 
 
@@ -266,13 +273,16 @@ _BATCH_ROW_SCHEMA = pa.schema(
         ("status", pa.string()),
         ("error", pa.string()),
         ("digest", pa.int64()),
+        ("run_id", pa.string()),
     ]
 )
+_BatchRow = tuple[str, int, int, str, str | None, int, str | None]
+"""One ``ingest_batches`` row: engine_id, seq, rows, status, error, digest, run_id."""
 
 
 def _insert_ingest_rows(
     cur: duckdb.DuckDBPyConnection,
-    batch_rows: list[tuple[str, int, int, str, str | None, int]],
+    batch_rows: list[_BatchRow],
     gap_rows: list[tuple[str, int, int]],
     at: datetime,
 ) -> None:
@@ -283,8 +293,8 @@ def _insert_ingest_rows(
         )
         with registered(cur, "_ingest_rows", table):
             cur.execute(
-                "INSERT INTO ingest_batches (engine_id, seq, received_at, rows, status, error, digest) "
-                "SELECT engine_id, seq, $at, rows, status, error, digest FROM _ingest_rows",
+                "INSERT INTO ingest_batches (engine_id, seq, received_at, rows, status, error, digest, run_id) "
+                "SELECT engine_id, seq, $at, rows, status, error, digest, run_id FROM _ingest_rows",
                 {"at": at},
             )
     for engine_id, first, last in gap_rows:

@@ -3,7 +3,7 @@
 Every metric lives on the :class:`AgentMetrics` instance's own ``CollectorRegistry`` (never the
 process-global one), so two agents — or two tests — in one process never share a counter.
 
-Naming: prefix ``kvscope_``, base units, ``_total`` on counters. Labels come only from
+Naming: prefix ``kvscope_``, base units, ``_total`` on counters, no ``_created`` series. Labels come only from
 {engine, model, form, tier, outcome, reason, tp_rank} plus ``status``/``kind`` on the ingest counters
 and ``label`` on the folded-values counter; never request ids. Counters are cumulative since the agent started; consumers compute rates.
 They are incremented only after a batch's transaction committed (:meth:`observe_ingest`), so a
@@ -39,11 +39,9 @@ histograms, the ratio gauge). ``kvscope_metric_label_values_folded_total{label}`
 distinct values folded per label (``engine``, ``model``),
 ``kvscope_metric_label_values_evicted_total{label}`` the values evicted.
 
-The process: ``process_resident_memory_bytes``, ``process_start_time_seconds`` and the other
-``process_*`` metrics of prometheus_client's ``ProcessCollector``; ``kvscope_duckdb_memory_bytes``
-(DuckDB's buffer-manager memory, read at scrape time through
-:meth:`AgentMetrics.set_duckdb_memory_source`; absent while no store is open).
-:mod:`agent.process_metrics` has the details.
+The process: the ``process_*`` metrics of prometheus_client's ``ProcessCollector``;
+``kvscope_duckdb_memory_bytes`` (DuckDB's buffer-manager memory, read at scrape time, absent
+while no store is open): :mod:`agent.process_metrics`.
 
 :meth:`AgentMetrics.exposition` renders everything; ``GET /metrics`` calls it in a worker thread,
 so a slow scrape never holds the event loop (ingest, ``/healthz``).
@@ -61,12 +59,14 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.metrics import disable_created_metrics
 
 from agent.batch_summary import TTFT_BUCKETS, BatchSummary, Labels, summarize_tables
 from agent.bulk_histogram import BulkHistogram, bucket_counts
 from agent.ingest import RECOVERY_BUCKETS, IngestOutcome
 from agent.label_cap import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_VALUES, LabelCap, SeriesFolder
 from agent.process_metrics import SourcedGauge, register_process_collector
+from agent.run_info import EngineRunInfo
 from agent.sync_delay_metrics import SyncDelayHistograms
 
 __all__ = [
@@ -128,12 +128,14 @@ class AgentMetrics:
         label_idle_seconds: float | None = DEFAULT_IDLE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        disable_created_metrics()  # prometheus_client's switch is process-wide: fine in the agent's own process
         self.registry = CollectorRegistry()
         r = self.registry
         self.label_cap = LabelCap(
             CAPPED_LABELS, label_max_values, r, idle_seconds=label_idle_seconds, clock=clock, on_evict=self._forget
         )
         register_process_collector(r)
+        self.run_info = EngineRunInfo(self.label_cap, r)  # kvscope_engine_run_info (agent.run_info)
         self.duckdb_memory = SourcedGauge(
             "kvscope_duckdb_memory_bytes",
             "Memory DuckDB's buffer manager holds now (sum of duckdb_memory().memory_usage_bytes); "

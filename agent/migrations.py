@@ -317,6 +317,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE cache_lookups ADD COLUMN indexer_sync_delay_seconds DOUBLE DEFAULT 0",
         ),
     ),
+    Migration(
+        version=11,
+        name="run_id: the engine process that sent each batch and row (engine ids now stay across restarts)",
+        # from EventBatch.run_id; NULL for rows stored before and for batches of older engines
+        statements=tuple(
+            f"ALTER TABLE {table} ADD COLUMN run_id VARCHAR"
+            for table in ("ingest_batches", "cache_lookups", "requests", "engine_stats", "block_events")
+        ),
+    ),
 )
 """Every migration, in version order (versions 1, 2, ... without gaps)."""
 

@@ -130,6 +130,9 @@ def engine_param(description: str = "only this engine") -> QueryParam:
 
 
 MODEL_PARAM = QueryParam(name="model", kind=str, description="only this model")
+RUN_PARAM = QueryParam(name="run_id", kind=str, description="only this run (process start) of the engine: its batches' run_id")
+RUN_SQL = "($run_id::VARCHAR IS NULL OR {t}run_id = $run_id)"
+"""The optional ``run_id`` filter (NULL: every run; rows stored without a run id match only then)."""
 SINCE_PARAM = QueryParam(
     name="since_seconds",
     kind=int,

@@ -14,6 +14,8 @@ from agent.named_query import (
     FILTER_SQL,
     LIMIT_PARAM,
     MODEL_PARAM,
+    RUN_PARAM,
+    RUN_SQL,
     SINCE_PARAM,
     NamedQuery,
     QueryParam,
@@ -23,8 +25,8 @@ from agent.rollups import LOOKUP_SLACK
 
 TOTALS = NamedQuery(
     name="totals",
-    description="Lifetime request and token totals.",
-    sql="""
+    description="Lifetime request and token totals (run_id: of one run of the engine).",
+    sql=f"""
     SELECT
         count(*) AS requests,
         coalesce(sum(prompt_tokens), 0)::BIGINT AS prompt_tokens,
@@ -33,9 +35,9 @@ TOTALS = NamedQuery(
         coalesce(sum(replayed_tokens), 0)::BIGINT AS replayed_tokens,
         coalesce(sum(recomputed_tokens), 0)::BIGINT AS recomputed_tokens
     FROM requests
-    WHERE $engine_id::VARCHAR IS NULL OR engine_id = $engine_id
+    WHERE ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id) AND {RUN_SQL.format(t="")}
     """,
-    params=(engine_param(),),
+    params=(engine_param(), RUN_PARAM),
     columns=(
         "requests",
         "prompt_tokens",
@@ -73,8 +75,8 @@ HEADLINE = NamedQuery(
 
 FORM_OUTCOMES = NamedQuery(
     name="form_outcomes",
-    description="Lookups per form, outcome and reason, with their usable and recoverable tokens.",
-    sql="""
+    description="Lookups per form, outcome and reason, with their usable and recoverable tokens (run_id: of one run).",
+    sql=f"""
     SELECT
         form,
         outcome,
@@ -83,11 +85,11 @@ FORM_OUTCOMES = NamedQuery(
         sum(usable_tokens)::BIGINT AS usable_tokens,
         sum(recoverable_tokens)::BIGINT AS recoverable_tokens
     FROM cache_lookups
-    WHERE $engine_id::VARCHAR IS NULL OR engine_id = $engine_id
+    WHERE ($engine_id::VARCHAR IS NULL OR engine_id = $engine_id) AND {RUN_SQL.format(t="")}
     GROUP BY form, outcome, reason
     ORDER BY form, outcome, reason
     """,
-    params=(engine_param(),),
+    params=(engine_param(), RUN_PARAM),
     columns=("form", "outcome", "reason", "lookups", "usable_tokens", "recoverable_tokens"),
 )
 
@@ -230,6 +232,7 @@ RECENT_REQUESTS = NamedQuery(
         "predicted_seconds",
         "actual_seconds",
         "limiting_forms",
+        "run_id",
     ),
 )
 

@@ -17,7 +17,15 @@ ranked) and the ``kvscope up`` summary.
 
 from __future__ import annotations
 
-from agent.named_query import FILTER_SQL, MODEL_PARAM, NamedQuery, QueryParam, engine_param
+from agent.named_query import (
+    FILTER_SQL,
+    MODEL_PARAM,
+    RUN_PARAM,
+    RUN_SQL,
+    NamedQuery,
+    QueryParam,
+    engine_param,
+)
 from agent.rollups import LOOKUP_SLACK
 
 _IN_WINDOW = "($since_seconds::BIGINT IS NULL OR {t}ts >= $now - to_seconds($since_seconds::BIGINT))"
@@ -29,27 +37,30 @@ TOKENS_LOST = NamedQuery(
         "the resume point and its reason, most first, over the last since_seconds (absent: every "
         "stored request). A tie counts the request under every tied form, each with its own "
         "reason: tied_requests and tied_tokens_lost are the part that came from ties. form is "
-        "NULL for requests no form limited that still lost tokens; form and reason filter."
+        "NULL for requests no form limited that still lost tokens; form and reason filter, run_id "
+        "keeps one run of the engine."
     ),
     sql=f"""
     WITH lost AS (
-        SELECT engine_id, request_id, ts, limiting_form, limiting_reason,
+        SELECT engine_id, run_id, request_id, ts, limiting_form, limiting_reason,
                hash_hit_tokens - recoverable_tokens AS tokens_lost,
                len(limiting_forms) > 1 AS tied,
                CASE WHEN len(limiting_forms) > 0 THEN limiting_forms ELSE [limiting_form] END AS forms
         FROM requests
         WHERE hash_hit_tokens > recoverable_tokens AND {_IN_WINDOW.format(t="")} AND {FILTER_SQL.format(t="")}
+          AND {RUN_SQL.format(t="")}
     ), charged AS (
-        SELECT engine_id, request_id, ts, limiting_form, limiting_reason, tokens_lost, tied,
+        SELECT engine_id, run_id, request_id, ts, limiting_form, limiting_reason, tokens_lost, tied,
                unnest(forms) AS form
         FROM lost
     ), tied_reason AS (
-        -- a tied form's own reason: from its lookups of that request (within the slack of its ts)
-        SELECT c.engine_id, c.request_id, c.form, arg_min(l.reason, l.usable_tokens) AS reason
+        -- a tied form's own reason: from its lookups of that request (within the slack of its ts),
+        -- of the same run (an engine keeping its id may replay the same request ids again)
+        SELECT c.engine_id, c.run_id, c.request_id, c.form, arg_min(l.reason, l.usable_tokens) AS reason
         FROM charged AS c
         JOIN cache_lookups AS l
           ON l.engine_id = c.engine_id AND l.request_id = c.request_id AND l.form = c.form
-         AND l.ts BETWEEN c.ts - {LOOKUP_SLACK} AND c.ts + {LOOKUP_SLACK}
+         AND l.ts BETWEEN c.ts - {LOOKUP_SLACK} AND c.ts + {LOOKUP_SLACK} AND l.run_id IS NOT DISTINCT FROM c.run_id
         WHERE c.form IS DISTINCT FROM c.limiting_form
           AND ($since_seconds::BIGINT IS NULL OR l.ts >= $now - to_seconds($since_seconds::BIGINT) - {LOOKUP_SLACK})
         GROUP BY ALL
@@ -59,7 +70,8 @@ TOKENS_LOST = NamedQuery(
                     ELSE coalesce(t.reason, c.limiting_reason) END AS reason,
                c.tokens_lost, c.tied
         FROM charged AS c
-        LEFT JOIN tied_reason AS t USING (engine_id, request_id, form)
+        LEFT JOIN tied_reason AS t
+          ON t.engine_id = c.engine_id AND t.run_id IS NOT DISTINCT FROM c.run_id AND t.request_id = c.request_id AND t.form = c.form
     )
     SELECT form, reason,
            sum(tokens_lost)::BIGINT AS tokens_lost,
@@ -75,6 +87,7 @@ TOKENS_LOST = NamedQuery(
         QueryParam(name="since_seconds", kind=int, minimum=1, maximum=366 * 86400, description="only requests this recent (absent: all)"),
         engine_param(),
         MODEL_PARAM,
+        RUN_PARAM,
         QueryParam(name="form", kind=str, description="only this limiting form"),
         QueryParam(name="reason", kind=str, description="only this reason"),
     ),

@@ -1,6 +1,7 @@
 """The ingest routes: ``POST /v1/events`` (one batch, answered after its commit, with the
 engine's durable watermark), ``GET /v1/ingest/watermark`` and ``POST /v1/ingest/checkpoint``
-(the end-to-end acknowledgement of :mod:`agent.durability`). Contracts: :mod:`agent.app`."""
+(the end-to-end acknowledgement of :mod:`agent.durability`), ``GET /v1/ingest/next-seq`` (where
+a restarted engine's seqs continue, :mod:`engine.run_seq`). Contracts: :mod:`agent.app`."""
 
 from __future__ import annotations
 
@@ -97,11 +98,13 @@ def event_routes(
         except (duckdb.Error, StoreClosedError, StoreWriteError) as exc:
             return retry_later(f"the store could not write this batch ({type(exc).__name__}); send it again")
         metrics.observe_ingest(outcome, decoded.summary)
+        metrics.run_info.observe(outcome)
         if outcome.status == "conflict":
             return error_response(
                 409,
                 f"seq {outcome.seq} of engine {outcome.engine_id!r} was already stored with other "
-                "events; give each engine run its own engine_id",
+                "events: two engines send under this engine_id at once (give each its own --engine-id), "
+                "or a restarted one reused a seq (continue at GET /v1/ingest/next-seq)",
                 path="$.seq",
             )
         answer: dict[str, object] = {"status": outcome.status, "events": outcome.events}
@@ -131,6 +134,10 @@ def event_routes(
     @router.get("/v1/ingest/watermark")
     async def ingest_watermark(engine_id: str) -> JSONResponse:
         return watermark_answer(engine_id)
+
+    @router.get("/v1/ingest/next-seq")
+    async def ingest_next_seq(engine_id: str) -> JSONResponse:
+        return JSONResponse({"engine_id": engine_id, "next_seq": current_ingestor().tracker.next_seq(engine_id)})
 
     @router.post("/v1/ingest/checkpoint")
     async def ingest_checkpoint(engine_id: str) -> JSONResponse:

@@ -117,7 +117,8 @@ class SeqTracker:
     filed as rejected — (for gaps). Loaded from ``ingest_batches``; updated after each commit.
 
     A gap is a seq in ``[0, max received]`` never received: the engine's client dropped that
-    batch (its spool was full) or it is still in flight. Seqs start at 0 per engine id.
+    batch (its spool was full) or it is still in flight. Seqs start at 0 per engine id and
+    continue across the engine's restarts (:meth:`next_seq`).
     """
 
     def __init__(self) -> None:
@@ -158,6 +159,13 @@ class SeqTracker:
             if ranges is None:
                 return None if seq >= LEGACY_SEQ_FLOOR else -1
             return ranges.top_in_numbering(seq)
+
+    def next_seq(self, engine_id: str) -> int:
+        """One above the highest seq received from ``engine_id`` (stored or filed rejected) in
+        the 0-based numbering, 0 for an engine never heard of: where a restarted engine keeping
+        its id continues (``GET /v1/ingest/next-seq``, :mod:`engine.run_seq`)."""
+        top = self.top(engine_id, 0)
+        return 0 if top is None else top + 1
 
     def mark(self, engine_id: str, seq: int, *, stored: bool) -> None:
         """Record a committed batch: ``stored`` or filed as rejected."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,9 +113,12 @@ def _lookup_event(at: float, labels: Mapping[str, str], request_id: str, recover
     }  # fmt: skip
 
 
-def run_golden(rules: RuleFile, spec: SeriesFile, *, start: float = GOLDEN_START) -> GoldenResult:
+def run_golden(
+    rules: RuleFile, spec: SeriesFile, *, start: float = GOLDEN_START, on_evaluation: Callable[[int, int], None] | None = None
+) -> GoldenResult:
     """Run ``rules`` over ``spec`` (module docstring); returns the transitions and, when the file
-    has ``expected``, the mismatches.
+    has ``expected``, the mismatches. ``on_evaluation(done, total)`` is called after each
+    evaluation time (progress).
 
     Raises:
         GoldenError: the events break the agent's event contract (the agent would refuse them).
@@ -142,6 +145,7 @@ def run_golden(rules: RuleFile, spec: SeriesFile, *, start: float = GOLDEN_START
                     due[start + k * interval].append(group)
             pending = 0
             seq: dict[str, int] = defaultdict(int)
+            done = 0
             for now in sorted(due):
                 while restarts and start + restarts[0] <= now:
                     restarts.pop(0)
@@ -162,6 +166,8 @@ def run_golden(rules: RuleFile, spec: SeriesFile, *, start: float = GOLDEN_START
                 clock[0] = now
                 for group in due[now]:
                     result.notifications += scheduler.run_group(group, now)
+                if on_evaluation is not None:
+                    on_evaluation(done := done + 1, len(due))
         finally:
             store.close()
     if spec.expected is not None:

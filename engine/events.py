@@ -143,6 +143,8 @@ Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**48)]
 UnixSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=253_402_300_799.0)]
 """A time as unix seconds, at most 9999-12-31T23:59:59Z (what a TIMESTAMP column holds)."""
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+RunId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9._-]+$")]
+"""A run id (:func:`engine.identity.new_run_id`): at most 64 letters, digits, ``.``, ``_``, ``-``."""
 
 
 class _Event(msgspec.Struct, forbid_unknown_fields=True, tag_field="kind", kw_only=True, gc=False):
@@ -258,6 +260,10 @@ class EventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seq: NonNegInt
     sent_at: UnixSeconds
     events: list[Event]
+    run_id: RunId | None = None
+    """The engine process that sent the batch (new at every start, while ``engine_id`` stays):
+    on the envelope, not on each event, since one batch comes from one run. The agent stores it
+    beside every row of the batch. Optional: batches of older engines have none (NULL)."""
 
 
 class EventError(ValueError):

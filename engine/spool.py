@@ -125,11 +125,18 @@ class Spool:
     # -- writing -----------------------------------------------------------------------------------
     def append(self, payload: bytes, events: int) -> bool:
         """Append one record (flushed to the OS; not fsynced). When it would exceed the disk
-        budget, acknowledged records not durable yet are released (oldest first) and the spool
-        compacted to make room; returns False, writing nothing, when that is not enough."""
+        budget, acknowledged records not durable yet are released (oldest first, logged) and the
+        spool compacted to make room; returns False, writing nothing, when that is not enough."""
         record_size = _HEADER.size + len(payload)
+        released = self.released_records
         if self._size + record_size > self.max_bytes and not self._make_room(record_size):
             return False
+        if self.released_records > released:
+            log.warning(
+                "telemetry spool %s is full: %d acknowledged batches released before the agent made them durable",
+                self.path,
+                self.released_records - released,
+            )
         crc = zlib.crc32(payload, zlib.crc32(struct.pack("<I", events)))
         self._file.seek(0, os.SEEK_END)
         self._file.write(_HEADER.pack(len(payload), crc, events) + payload)

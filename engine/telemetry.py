@@ -2,12 +2,9 @@
 
 :class:`TelemetryClient` never blocks the engine step: :meth:`~TelemetryClient.emit` puts the
 event on a bounded in-memory queue (a full queue drops the event and counts it); a background
-thread groups events into batches (by size and by age), stamps each batch with the engine id and
-a per-engine ``seq`` that starts at 0 and grows by one per batch (DESIGN.md §5: the agent
-reports a seq never received below the highest as a gap; with a spool the next seq is saved
-beside it, so a restarted engine keeping its id and spool continues; without one, give each run
-its own engine id — :func:`engine.llm.default_engine_id` does — or the agent answers 409 to the
-reused seqs) and posts it as msgpack to ``POST /v1/events``,
+thread groups events into batches (by size and by age), stamps each batch with the engine id,
+this process's ``run_id`` (:func:`engine.identity.new_run_id`) and a per-engine ``seq`` that
+grows by one per batch, and posts it as msgpack to ``POST /v1/events``,
 retrying connection failures and 5xx answers with capped exponential backoff. A batch the agent
 rejects (4xx) is not retried: it is counted and logged with the agent's reason.
 
@@ -22,6 +19,11 @@ spool until the agent's **durable watermark** (:mod:`agent.durability`; in every
 watermark. Events are dropped only when the spool's disk budget is exhausted, and then loudly.
 The sinks the engine also takes (:class:`~engine.sinks.NullSink`, :class:`~engine.sinks.ListSink`)
 live in :mod:`engine.sinks`.
+
+**Seqs across restarts** (DESIGN.md §5): an engine keeps its id across restarts and its seqs
+*continue* (no seq reused: a 409; none skipped: a gap) from max(the spool's saved next seq, the
+agent's next expected one, ``GET /v1/ingest/next-seq``): :mod:`engine.run_seq`. The run id only
+labels batches (not in the idempotency key); two processes under one engine id at once collide.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import httpx
 
 from engine.agent_http import epoch_of, post_batch
 from engine.events import SCHEMA_VERSION, Event, EventBatch, encode_batch
+from engine.identity import new_run_id
+from engine.run_seq import first_seq
 from engine.sinks import EventSink, ListSink, NullSink
 from engine.spool import Spool
 
@@ -68,6 +72,8 @@ class TelemetryClient:
             three quarters of ``max_queue_events``).
         watermark_poll_seconds: how often the agent's durable watermark is asked for while
             acknowledged batches wait for it and nothing else is sent.
+        run_id: stamped on every batch (default: a new :func:`engine.identity.new_run_id`).
+        transport: the HTTP transport (default: httpx's; tests pass one to an agent in-process).
 
     Raises:
         ValueError: a non-positive limit, or a spool path that cannot be opened.
@@ -88,11 +94,14 @@ class TelemetryClient:
         spool_max_bytes: int = 256 << 20,
         high_water_events: int | None = None,
         watermark_poll_seconds: float = 1.0,
+        run_id: str | None = None,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         if max_queue_events <= 0 or batch_max_events <= 0 or batch_max_seconds <= 0:
             raise ValueError("telemetry queue and batch limits must be positive")
         self.url = url.rstrip("/") + "/v1/events"
         self.engine_id = engine_id
+        self.run_id = run_id or new_run_id()
         self.batch_max_events = batch_max_events
         self.batch_max_seconds = batch_max_seconds
         self.max_retries = max_retries
@@ -100,7 +109,7 @@ class TelemetryClient:
         headers = {"Content-Type": "application/msgpack"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(timeout=timeout_seconds, headers=headers)
+        self._http = httpx.Client(timeout=timeout_seconds, headers=headers, transport=transport)
         self._pending = 0
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -119,7 +128,7 @@ class TelemetryClient:
         self._instance_checked = False
         self._next_poll = 0.0
         self.spool: Spool | None = Spool(spool_path, spool_max_bytes) if spool_path is not None else None
-        self._seq = self.spool.next_seq if self.spool is not None else 0
+        self._seq: int | None = None  # the next batch's; None until this run's first (engine.run_seq)
         self.high_water_events = high_water_events if high_water_events is not None else max_queue_events * 3 // 4
         self._retry_at = 0.0
         self._backoff = 0.1
@@ -221,8 +230,16 @@ class TelemetryClient:
             self.spool.close()
 
     def _deliver(self, events: list[Event]) -> None:
+        if self._seq is None:  # this run's first batch: continue the engine id's seqs
+            spooled = self.spool.next_seq if self.spool is not None else None
+            self._seq = first_seq(self._http, self.url, self.engine_id, spool_next_seq=spooled, attempts=self.max_retries, stop=self._stop)
+            if self._seq is None:  # no spool and no agent: the batch could not be posted either
+                self.failed_batches += 1
+                self.dropped_events += len(events)
+                log.error("telemetry batch dropped: the agent at %s cannot be reached (%d events)", self.url, len(events))
+                return
         batch = EventBatch(
-            schema_version=SCHEMA_VERSION, engine_id=self.engine_id, seq=self._seq, sent_at=time.time(), events=events
+            schema_version=SCHEMA_VERSION, engine_id=self.engine_id, seq=self._seq, sent_at=time.time(), events=events, run_id=self.run_id
         )
         self._seq += 1
         body = encode_batch(batch, "msgpack")
@@ -252,14 +269,7 @@ class TelemetryClient:
 
     def _to_spool(self, body: bytes, events: int) -> bool:
         assert self.spool is not None
-        released = self.spool.released_records
-        if self.spool.append(body, events):
-            if self.spool.released_records > released:
-                log.warning(
-                    "telemetry spool %s is full: %d acknowledged batches released before the agent made them durable",
-                    self.spool.path,
-                    self.spool.released_records - released,
-                )
+        if self.spool.append(body, events):  # a full spool first releases acknowledged records (it logs them)
             return True
         self.failed_batches += 1
         self.dropped_events += events

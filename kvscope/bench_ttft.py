@@ -30,11 +30,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from engine.cache.config import CacheConfig
 
-from engine import LLM, CacheConfig
+if TYPE_CHECKING:  # torch and the engine load when a benchmark runs, not when the CLI parses its flags
+    import torch
+
+    from engine.llm import LLM
 
 HELD_OUT_BYTES = 128 * 1024
 DEFAULT_TEXT = Path("../shared/data/text/tinyshakespeare/input.txt")
@@ -107,6 +110,8 @@ def disk_row(
 ) -> dict[str, Any]:
     """The ``disk`` plan: serve the prefix, offload every object to the disk tier, restart the
     engine on the same directory, then time the follow-up (swap-in + resume)."""
+    from engine.llm import LLM
+
     with tempfile.TemporaryDirectory(prefix="kvscope-bench-disk-") as where:
         config = dataclasses.replace(
             cache_for(len(ids), unit, len(ids) // unit + 8), tail_replay="off", disk_tier_bytes=1 << 40, disk_tier_dir=where
@@ -141,6 +146,8 @@ def run(model: str, prefixes: Sequence[int], suffix_tokens: int, text: Path, dev
     Raises:
         ValueError: the text is missing or too short, or a plan is not one of :data:`PLANS`.
     """
+    from engine.llm import LLM
+
     unknown = sorted(set(plans) - set(PLANS))
     if unknown:
         raise ValueError(f"unknown plan(s) {', '.join(unknown)}; the plans are {', '.join(PLANS)}")

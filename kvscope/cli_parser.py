@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvscope.cli_args import add_replay_flags, port, positive_float, positive_int, squeeze
+from kvscope.cli_args import (
+    ENGINE_ID_HELP,
+    add_cache_flags,
+    add_replay_flags,
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+    squeeze,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 """What ``--dtype`` takes (``engine.loader.DTYPE_NAMES``)."""
@@ -23,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", parents=[verbose], help="agent + alerts + dashboard + the engine replaying a real trace")
     up.add_argument("--trace", type=Path, default=None, help="weka directory/.json or mooncake .jsonl (default: the bundled weka slice)")
     up.add_argument("--data-dir", type=Path, default=Path("kvscope-data"), help="DuckDB, logs (default: %(default)s)")
-    up.add_argument("--agent-port", type=port, default=9400)
-    up.add_argument("--dashboard-port", type=port, default=8501)
+    up.add_argument("--agent-port", type=port, default=9400, help="the agent's TCP port on 127.0.0.1: API and /metrics (default: %(default)s)")
+    up.add_argument("--dashboard-port", type=port, default=8501, help="the dashboard's TCP port on 127.0.0.1 (default: %(default)s)")
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Streamlit dashboard")
     up.add_argument("--exit-when-done", action="store_true", help="stop agent and dashboard after the replay")
     up.add_argument("--alert-interval-seconds", type=positive_float, default=None, help="evaluate rule groups without their own interval every N s instead of every minute")
@@ -40,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     agent = sub.add_parser("agent", parents=[verbose], help="the sidecar: ingest, DuckDB store, metrics, SQL, alerts")
     agent.add_argument("--config", type=Path, default=None, help="YAML file (flags override it)")
-    agent.add_argument("--host", default=None)
-    agent.add_argument("--port", type=port, default=None)
-    agent.add_argument("--data-dir", type=Path, default=None)
+    agent.add_argument("--host", default=None, help="the address to listen on (overrides host; default: 127.0.0.1)")
+    agent.add_argument("--port", type=port, default=None, help="the TCP port to listen on (overrides port; default: 9400)")
+    agent.add_argument("--data-dir", type=Path, default=None, help="the DuckDB file, the alert log and the notifications (overrides data_dir; default: kvscope-data)")
     agent.add_argument("--token", default=None, help="bearer token (or KVSCOPE_TOKEN)")
     agent.add_argument("--alert-interval-seconds", type=positive_float, default=None, help=argparse.SUPPRESS)
     agent.add_argument("--alert-rules", type=Path, default=None, help="the alert rule file (overrides alert_rules_file; default: the shipped one)")
@@ -52,11 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     dash = sub.add_parser("dashboard", parents=[verbose], help="the Streamlit dashboard")
     dash.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
-    dash.add_argument("--port", type=port, default=8501)
-    dash.add_argument("--host", default="127.0.0.1")
+    dash.add_argument("--port", type=port, default=8501, help="the TCP port Streamlit listens on (default: %(default)s)")
+    dash.add_argument("--host", default="127.0.0.1", help="the address Streamlit listens on (default: %(default)s)")
 
     rep = sub.add_parser("replay", parents=[verbose], help="replay a trace (weka, Mooncake; SWE-agent .traj chats with --server) through the engine")
-    rep.add_argument("trace", type=Path)
+    rep.add_argument("trace", type=Path, help="weka directory/.json, mooncake .jsonl, or SWE-agent .traj (with --server)")
     rep.add_argument("--agent", default=None, help="send events to this agent")
     rep.add_argument("--server", default=None, help="replay over HTTP against this kvscope serve URL, sessions concurrently (the server's engine and cache flags apply, not these)")
     rep.add_argument("--max-sessions", type=positive_int, default=None, help="with --server: sessions in flight at once (default: all)")
@@ -75,12 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", parents=[verbose], help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions)")
     srv.add_argument("--model", default="kvscope_hybrid-small", help="preset name or model directory (default: %(default)s, trained)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=port, default=8000)
+    srv.add_argument("--engine-id", default=None, help=ENGINE_ID_HELP)
+    srv.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    srv.add_argument("--port", type=port, default=8000, help="the TCP port to listen on (default: %(default)s)")
     srv.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default: %(default)s)")
     srv.add_argument("--dtype", choices=DTYPES, default=None, help="weights and KV pools: float32, bfloat16 or float16 (default: the checkpoint's config dtype, else float32)")
-    srv.add_argument("--cache-memory-mib", type=positive_int, default=None, help="one byte budget (MiB) for every pool of the prefix cache, sized by a memory plan (default: the pools' default block counts)")
-    srv.add_argument("--agent", default=None, help="send the cache's events to this agent")
+    add_cache_flags(srv)
+    srv.add_argument("--agent", default=None, help="send the cache's events to this agent URL (default: %(default)s: events discarded)")
     srv.add_argument(
         "--telemetry-spool-dir",
         type=Path,
@@ -94,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs (default: captured on CUDA when the model allows)")
     srv.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="ranks the model is sharded over, one process each (CPU: gloo) (default: %(default)s)")
     srv.add_argument("--check-invariants", action="store_true", help="check the prefix cache's invariants after every step on every rank (slow; for tests) (default: off)")
+    srv.add_argument(
+        "--no-access-log", "--disable-uvicorn-access-log", dest="access_log", action="store_false",
+        help="no access log line per HTTP request (uvicorn's --no-access-log; vLLM's --disable-uvicorn-access-log) (default: logged)",
+    )  # fmt: skip
+    srv.add_argument("--stats-interval-seconds", type=non_negative_float, default=10.0, help="log the engine's stats line (throughput, requests, cache usage per form, prefix-cache hit rate) every N s; 0: never (default: %(default)s)")
 
     bench = sub.add_parser("bench", parents=[verbose], help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -102,20 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
     ttft_arguments(bench_sub.add_parser("ttft", parents=[verbose], help="time to first token: cold, exact resume, Tail-Replay"))
 
     sql = sub.add_parser("sql", parents=[verbose], help="ad-hoc read-only SQL over the cache logs")
-    sql.add_argument("query")
+    sql.add_argument("query", help="one SELECT statement (WITH, FROM t, DESCRIBE, SHOW ... too), run read-only")
     where = sql.add_mutually_exclusive_group()
     where.add_argument("--agent", default=None, help="through a running agent (default when --db is absent)")
     where.add_argument("--db", type=Path, default=None, help="a DuckDB file, opened read-only (no agent running)")
-    sql.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    sql.add_argument("--format", choices=("table", "csv", "json"), default="table", help="how the rows are printed (default: %(default)s)")
 
     alerts = sub.add_parser("alerts", parents=[verbose], help="alert rule tooling")
     alerts_sub = alerts.add_subparsers(dest="alerts_command", required=True)
     check = alerts_sub.add_parser("check", parents=[verbose], help="validate rule files and notification files (like promtool check rules, amtool check-config)")
-    check.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    check.add_argument("files", type=Path, nargs="+", metavar="FILE", help="rule files and notification files (told apart by their keys)")
     export = alerts_sub.add_parser(
         "export-prometheus", parents=[verbose], help="write equivalent Prometheus alerting rules over the agent's metrics"
     )
-    export.add_argument("file", type=Path, metavar="FILE")
+    export.add_argument("file", type=Path, metavar="FILE", help="the rule file")
     export.add_argument("--dashboard-url", default=None, help="the kvscope dashboard's URL, for {{ $dashboardURL }} in the annotations (default: relative links)")
     export.add_argument("-o", "--output", type=Path, default=None, help="write here instead of stdout")
     golden = alerts_sub.add_parser(
@@ -130,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     silence.add_argument("--agent", default=None, help="agent URL (default: KVSCOPE_AGENT_URL or http://127.0.0.1:9400)")
     silence_sub = silence.add_subparsers(dest="silence_command", required=True)
     add = silence_sub.add_parser("add", parents=[verbose, agent_flag], help="mute alerts matching every matcher, e.g. engine=\"e1\" alertname=~\"Recoverable.*\"")
-    add.add_argument("matchers", nargs="+", metavar="MATCHER")
+    add.add_argument("matchers", nargs="+", metavar="MATCHER", help='label="value", label!="value", label=~"regex" or label!~"regex"')
     add.add_argument("--duration", default="1h", help="how long (Prometheus duration; default: %(default)s)")
     add.add_argument("--comment", required=True, help="why")
     add.add_argument("--author", default=None, help="who (default: $USER)")
     silence_sub.add_parser("list", parents=[verbose, agent_flag], help="the silences, with their state")
     expire = silence_sub.add_parser("expire", parents=[verbose, agent_flag], help="end silences now (give the full ids)")
-    expire.add_argument("ids", nargs="+", metavar="ID")
+    expire.add_argument("ids", nargs="+", metavar="ID", help="silence ids, as alerts silence list prints them")
     return parser

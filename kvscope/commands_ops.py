@@ -80,14 +80,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    import os
-    import subprocess
+    """Run Streamlit in the foreground: SIGTERM/SIGINT are forwarded to it (SIGKILL 10 s later if
+    it is still there), and it dies with this process, SIGKILLed included."""
+    from dashboard.launch import run_dashboard
 
-    from dashboard.launch import streamlit_command
-
-    url = args.agent or default_agent_url()
-    argv = streamlit_command(url, args.port, args.host)
-    return subprocess.call(argv, env={**os.environ, "KVSCOPE_AGENT_URL": url})
+    return run_dashboard(args.agent or default_agent_url(), args.port, args.host)
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
@@ -106,14 +103,23 @@ def cmd_alerts(args: argparse.Namespace) -> int:
     if args.alerts_command == "silence":
         return _silence(args)
     if args.alerts_command == "test":
+        from rich.console import Console
+
         from alerts.golden import GoldenError, load_series, render_notifications, run_golden
+        from kvscope.progress import ProgressLines
 
         if not args.verbose:  # the transitions are the output; the scheduler's log lines would repeat them
             logging.getLogger("alerts.rule_scheduler").setLevel(logging.ERROR)
         try:
             rules = load_rule_file(args.file)
             series = load_series(args.series)
-            result = run_golden(rules, series)
+            lines = ProgressLines(Console(stderr=True), "alerts test", 0, unit="evaluation times", final=False)
+
+            def progress(done: int, total: int) -> None:
+                lines.total, lines.done = total, done
+
+            with lines:
+                result = run_golden(rules, series, on_evaluation=progress)
         except (RuleFileError, GoldenError) as exc:
             raise UserError(str(exc)) from None
         sys.stdout.write(render_notifications(result, as_json=args.json))

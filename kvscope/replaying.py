@@ -4,13 +4,12 @@ so it shows what was stored, and checked against the engine's own tally so a los
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
-import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,12 +26,8 @@ from engine.outputs import RequestOutput
 from engine.telemetry import TelemetryClient
 from engine.trace.formats import TraceRequest
 from engine.trace.replay import ReplayConfig, ReplayTally, replay
+from kvscope.progress import ProgressLines
 from kvscope.summary import Summary
-
-
-def new_engine_id(prefix: str = "replay") -> str:
-    """An engine id unique to this run: ``prefix-host-pid-unixtime``."""
-    return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +37,8 @@ class ReplayRun:
     engine_id: str
     tally: ReplayTally
     lost_events: int
+    run_id: str | None = None
+    """The run id the events carried (None without an agent): the summary is read back for it."""
 
 
 class _RollingRate:
@@ -55,12 +52,13 @@ class _RollingRate:
         self._rows.append((c.prompt_tokens, c.hash_hit_tokens, c.recoverable_tokens))
 
     def text(self) -> str:
-        prompt = sum(r[0] for r in self._rows)
+        rows = list(self._rows)  # one copy: the progress lines read it from their own thread
+        prompt = sum(r[0] for r in rows)
         if not prompt:
             return ""
-        raw = sum(r[1] for r in self._rows) / prompt
-        rec = sum(r[2] for r in self._rows) / prompt
-        return f"last {len(self._rows)} requests: recoverable {100 * rec:5.1f}% (raw {100 * raw:5.1f}%)"
+        raw = sum(r[1] for r in rows) / prompt
+        rec = sum(r[2] for r in rows) / prompt
+        return f"last {len(rows)} requests: recoverable {100 * rec:5.1f}% (raw {100 * raw:5.1f}%)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,6 +96,25 @@ class PoolSqueeze:
             return cls(start_seconds=values[0], duration_seconds=values[1])
         except ValueError as exc:
             raise ValueError(f"{text!r}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _progress(console: Console, total: int, rolling: _RollingRate) -> Iterator[Callable[[int], None]]:
+    """``show(done)``: a rich bar on a terminal, else a plain line every 10 s (:mod:`kvscope.progress`)."""
+    if not console.is_terminal:
+        with ProgressLines(console, "replay", total, detail=rolling.text) as lines:
+            yield lines.update
+        return
+    columns = (
+        TextColumn("[bold]replay[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]}"),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("replay", total=total, rate="")
+        yield lambda done: progress.update(task, completed=done, rate=rolling.text())
 
 
 def drain_earlier_spools(spool_dir: Path, agent_url: str, *, current_engine_id: str, timeout_seconds: float = 30.0) -> int:
@@ -160,16 +177,8 @@ def run_replay(
     squeezed = False
     total = min(len(requests), config.max_requests or len(requests))
     rolling = _RollingRate()
-    columns = (
-        TextColumn("[bold]replay[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[rate]}"),
-    )
     try:
-        with Progress(*columns, console=console, transient=False) as progress:
-            task = progress.add_task("replay", total=total, rate="")
+        with _progress(console, total, rolling) as show:
 
             def on_request(done: int, _total: int, _req: TraceRequest, out: RequestOutput | None) -> None:
                 nonlocal squeezed
@@ -186,7 +195,7 @@ def run_replay(
                         console.print(f"swa_window pool {what} at {elapsed:.0f} s ({clock})")
                         if on_squeeze is not None:
                             on_squeeze(due, time.time())
-                progress.update(task, completed=done, rate=rolling.text())
+                show(done)
 
             tally = replay(llm, requests, config, on_request=on_request, stop=stop)
         llm.emit_engine_stats()
@@ -195,7 +204,7 @@ def run_replay(
     lost = llm.sink.lost_events if isinstance(llm.sink, TelemetryClient) else 0
     if lost:
         console.print(f"[red]telemetry lost {lost} events: the agent did not store them (see its log)[/]")
-    return ReplayRun(engine_id=engine_id, tally=tally, lost_events=lost)
+    return ReplayRun(engine_id=engine_id, tally=tally, lost_events=lost, run_id=sink.run_id if sink is not None else None)
 
 
 def stored_summary(agent_url: str, run: ReplayRun, console: Console) -> tuple[Summary | None, bool]:
@@ -204,7 +213,7 @@ def stored_summary(agent_url: str, run: ReplayRun, console: Console) -> tuple[Su
     Returns ``(None, False)`` (after printing why) when the agent cannot answer.
     """
     try:
-        stored = Summary.from_agent(AgentClient(base_url=agent_url, timeout_seconds=60), run.engine_id)
+        stored = Summary.from_agent(AgentClient(base_url=agent_url, timeout_seconds=60), run.engine_id, run.run_id)
     except AgentError as exc:
         console.print(f"[red]cannot read the summary back from the agent: {exc}[/]")
         return None, False

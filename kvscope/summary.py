@@ -47,12 +47,13 @@ class Summary:
         return self.recoverable_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     @classmethod
-    def from_agent(cls, client: AgentClient, engine_id: str) -> Summary:
-        """Read the stored events of ``engine_id`` back from the agent."""
-        totals = client.query("totals", engine_id=engine_id)[0]
+    def from_agent(cls, client: AgentClient, engine_id: str, run_id: str | None = None) -> Summary:
+        """Read the stored events of ``engine_id`` back from the agent (of its run ``run_id`` only,
+        when given: a stable engine id spans runs)."""
+        totals = client.query("totals", engine_id=engine_id, run_id=run_id)[0]
         forms: dict[str, dict[str, int]] = {}
         reasons: dict[str, dict[str, int]] = {}
-        for row in client.query("form_outcomes", engine_id=engine_id):
+        for row in client.query("form_outcomes", engine_id=engine_id, run_id=run_id):
             form, outcome, reason, n = row["form"], row["outcome"], row["reason"], int(row["lookups"])
             forms.setdefault(form, {str(o): 0 for o in Outcome})[outcome] += n
             if outcome != Outcome.HIT:
@@ -60,7 +61,7 @@ class Summary:
                 reasons[form][reason] = reasons[form].get(reason, 0) + n
         losses = [
             {k: row[k] if k in ("form", "reason") else int(row[k]) for k in LOSS_FIELDS}
-            for row in client.query("tokens_lost", engine_id=engine_id)
+            for row in client.query("tokens_lost", engine_id=engine_id, run_id=run_id)
         ]
         return cls(
             requests=int(totals["requests"]),

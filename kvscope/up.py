@@ -9,6 +9,11 @@
    check it against the in-process tally, print it (table, or one JSON object with ``--json``).
    Exit status 1 if any event was lost or the stored totals differ from the engine's.
 5. Keep agent and dashboard up until Ctrl-C unless ``--exit-when-done``; then stop them by PID.
+
+Shutdown (docs/serving.md): SIGTERM or Ctrl-C starts no more requests (the running ones finish), then
+the dashboard, then the agent (last, so the telemetry is flushed to it), each SIGTERMed and
+SIGKILLed 10 s later if still there. A ``kvscope up`` SIGKILLed leaves nothing either: the
+dashboard gets the kernel's parent-death SIGKILL, the agent sees it was re-parented and stops.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import duckdb
 from rich.console import Console
@@ -30,6 +36,7 @@ from agent.store import lock_holder
 from alerts.notify_config import DEFAULT_NOTIFY_PATH, load_notify_config
 from alerts.rulefile import DEFAULT_RULES_PATH, load_rule_file
 from engine.cache import CacheConfig
+from engine.identity import derived_engine_id
 from engine.llm import check_cache_config
 from engine.presets import check_model_ref
 from engine.trace.formats import TraceError, TraceRequest, load_trace
@@ -39,7 +46,6 @@ from kvscope.drill import DRILL_NOTIFY_PATH, DrillPlan, DrillWatch, calibrate
 from kvscope.replaying import (
     PoolSqueeze,
     drain_earlier_spools,
-    new_engine_id,
     run_replay,
     stored_summary,
 )
@@ -69,6 +75,8 @@ class UpOptions:
     """A window-pool squeeze drill during the replay (None: none)."""
     drill: bool = False
     """The drill sized to this machine (:mod:`kvscope.drill`): its own rules and squeeze."""
+    engine_id: str | None = None
+    """The engine's id, kept across restarts (None: :func:`engine.identity.derived_engine_id`)."""
 
 
 def run_up(opts: UpOptions) -> int:
@@ -123,11 +131,12 @@ def run_up(opts: UpOptions) -> int:
             agent_cmd += ["--alert-notify", str(opts.alert_notify)]
         if opts.dashboard:  # the shipped rules' runbook links open this dashboard's Forms page
             agent_cmd += ["--dashboard-url", f"http://127.0.0.1:{opts.dashboard_port}"]
-        agent = services.start("agent", agent_cmd, opts.data_dir / "agent.log")
-        services.wait_http_ok(agent, agent_url + "/readyz", timeout_seconds=60)
+        # no parent-death signal: the agent watches its parent itself and shuts down gracefully
+        agent = services.start("agent", agent_cmd, opts.data_dir / "agent.log", parent_death_signal=None)
+        services.wait_http_ok(agent, agent_url + "/readyz", timeout_seconds=60, stop=stop)
         err.print(f"agent      {agent_url}  (DuckDB {opts.data_dir / 'kvscope.duckdb'}, metrics {agent_url}/metrics)")
         _warn_if_degraded(err, agent_url)
-        engine_id = new_engine_id()
+        engine_id = opts.engine_id or derived_engine_id(opts.model)
         resent = drain_earlier_spools(opts.data_dir / "spool", agent_url, current_engine_id=engine_id)
         if resent:
             err.print(f"telemetry: sent {resent} events that spools of earlier runs still held")
@@ -139,6 +148,7 @@ def run_up(opts: UpOptions) -> int:
                 streamlit_command(agent_url, opts.dashboard_port),
                 opts.data_dir / "dashboard.log",
                 env={"KVSCOPE_AGENT_URL": agent_url},
+                parent_death_signal=signal.SIGKILL,  # nothing to flush: it dies with `up`, even SIGKILLed
             )
             err.print(f"dashboard  http://127.0.0.1:{opts.dashboard_port}")
         watch = DrillWatch(plan=plan, client=AgentClient(base_url=agent_url, timeout_seconds=10), stop=stop) if plan is not None else None
@@ -164,7 +174,7 @@ def run_up(opts: UpOptions) -> int:
         if summary is None:
             return 1
         if opts.json:
-            doc = {"engine_id": run.engine_id, "trace": str(trace_path), "skipped_requests": run.tally.skipped_requests}
+            doc: dict[str, Any] = {"engine_id": run.engine_id, "run_id": run.run_id, "trace": str(trace_path), "skipped_requests": run.tally.skipped_requests}
             if watch is not None:
                 doc["drill"] = watch.to_json()
             print(json.dumps({**summary.to_json(), **doc}), flush=True)
@@ -236,7 +246,7 @@ def database_holder(db: Path) -> str | None:
 
 
 def _install_stop_handlers(stop: threading.Event) -> None:
-    """First SIGINT/SIGTERM: finish the current request, print the summary, stop the children.
+    """First SIGINT/SIGTERM: finish the running requests, print the summary, stop the children.
     A second SIGINT interrupts immediately."""
 
     def handler(sig: int, frame: FrameType | None) -> None:

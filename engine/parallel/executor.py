@@ -11,6 +11,11 @@ Rank 0 waits for every worker's reply before it returns.
 Commands travel on pipes, not collectives, so a worker may wait for the next one indefinitely
 (a collective would time out); a worker exits when its pipe closes (rank 0 gone), so no rank
 outlives the engine. A worker that dies is seen at once through its process sentinel.
+
+A worker also dies with rank 0 when rank 0 is SIGKILLed while the worker is busy (loading its
+shard, inside a collective): it asks the kernel for SIGKILL at its parent's death
+(:mod:`engine.parent_death`). That signal follows the *thread* that started the workers, so build
+a tensor-parallel ``LLM`` on the main thread (or one that lives as long as the process).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import functools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +33,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 from engine.parallel.group import STARTUP_TIMEOUT_SECONDS, RankFailed
+from engine.parent_death import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +254,10 @@ def run_on_every_rank(ranks: RankProcesses, target: Any, fn: Callable[..., Any],
 
 def _worker_main(spec: RankSpec, factory: Callable[..., Any], llm_kwargs: dict[str, Any], conn: Connection) -> None:
     """A worker rank: build the engine's shard, then run rank 0's calls until told to stop or
-    until rank 0 is gone."""
+    until rank 0 is gone (or SIGKILLed by the kernel when rank 0 dies)."""
+    parent = mp.parent_process()
+    if parent is not None and parent.pid is not None:
+        die_with_parent(parent.pid, signal.SIGKILL)
     import torch
 
     torch.set_num_threads(spec.threads)

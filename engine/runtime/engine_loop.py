@@ -14,8 +14,10 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from engine.runtime.request import RuntimeRequest
 from engine.runtime.runtime import Runtime
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_SECONDS = 0.5
 """How long the idle engine thread sleeps on its command queue before checking for a stop."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,9 @@ class Token:
     token_id: int
     request: RuntimeRequest
     """The request it belongs to (read its report, not its growing lists, off the engine thread)."""
+    sampled_at: float
+    """``time.perf_counter()`` seconds when the engine thread took the token (right after
+    sampling): consecutive tokens' difference is the inter-token latency."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,41 @@ class EngineLoop:
         """Run ``fn`` on the engine thread between steps."""
         self._commands.put(fn)
 
+    async def inspect(self, fn: Callable[[Runtime], T], *, timeout_seconds: float = 5.0) -> T:
+        """``fn(runtime)`` run on the engine thread between steps, where the runtime and its
+        cache are not changing (the server's stats and cache gauges read the pools there).
+
+        Raises:
+            RuntimeError: the engine thread is not running. TimeoutError: it did not get to
+                ``fn`` within ``timeout_seconds`` (a long step). Whatever ``fn`` raises (the
+                engine thread itself carries on).
+        """
+        if not self.alive:
+            raise RuntimeError(f"the engine is not running ({self.error!r})")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: Any, error: Exception | None) -> None:  # on the event loop
+            if done.done():  # timed out meanwhile
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        def run() -> None:  # on the engine thread: never let fn's error stop it
+            result: Any = None
+            error: Exception | None = None
+            try:
+                result = fn(self.runtime)
+            except Exception as exc:
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the event loop has closed
+                loop.call_soon_threadsafe(settle, result, error)
+
+        self.call(run)
+        return await asyncio.wait_for(done, timeout_seconds)
+
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str, session: str = "default"
     ) -> AsyncGenerator[Update]:
@@ -100,7 +141,7 @@ class EngineLoop:
             try:
                 request = self.runtime.add_request(
                     prompt_token_ids, params, request_id=request_id, session=session,
-                    on_token=lambda t: put(Token(t, request)), on_finish=finished,
+                    on_token=lambda t: put(Token(t, request, time.perf_counter())), on_finish=finished,
                 )  # fmt: skip
             except Exception as exc:  # a request the runtime refuses: the caller reports it
                 put(Failed(exc))

@@ -10,9 +10,14 @@ Endpoints, as the OpenAI API and vLLM's server define them:
   ``stream_options.include_usage`` adds a usage chunk). ``usage.prompt_tokens_details.cached_tokens``
   is the prompt tokens the prefix cache served (its recoverable tokens).
 * ``GET /v1/models`` (with the vocabulary size, which trace replays need for token-id prompts),
-  ``GET /health`` (503 once the engine thread has died), ``GET /metrics``
-  (Prometheus text: requests by finish reason, prompt / cached / generated tokens, time to first
-  token, requests running and waiting, preemptions).
+  ``GET /health`` (503 once the engine thread has died), ``GET /metrics`` (Prometheus text, every
+  series labelled ``model_name``: requests by finish reason, prompt / cached / generated tokens,
+  time to first token, inter-token and end-to-end latency, requests running and waiting,
+  preemptions, cache usage per form, prefix-cache query / hit / recoverable tokens; the cache
+  gauges are read on the engine thread before each scrape).
+
+It logs a start-up banner, one access-log line per request and, every ``stats_interval_seconds``
+(an APScheduler job on the server's event loop), vLLM's stats line (:mod:`engine.runtime.server_log`).
 
 Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 malformed or unservable request, 404 for another model, 500 when the engine failed. A client
@@ -36,6 +41,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from typing import Any, TypeVar
 
 import uvicorn
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.interval import IntervalTrigger
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.parallel.group import RankFailed
 from engine.runtime.engine_loop import EngineLoop, Failed, Finished, Token
+from engine.runtime.engine_snapshot import take_snapshot
 from engine.runtime.openai_api import (
     CHAT_END,
     APIError,
@@ -55,6 +63,7 @@ from engine.runtime.openai_api import (
     render_chat,
 )
 from engine.runtime.request import RuntimeRequest
+from engine.runtime.server_log import LOG, AccessLog, StatsLine, banner
 from engine.runtime.server_metrics import ServerMetrics
 from engine.sampling import SamplingParams
 from engine.tokenizer import StreamDecoder
@@ -63,6 +72,9 @@ DEFAULT_CHAT_MAX_TOKENS = 256
 """Tokens a chat completion may generate when the request does not say."""
 DISCONNECT_POLL_SECONDS = 0.25
 """How often a request without a stream checks that its client is still connected."""
+SNAPSHOT_TIMEOUT_SECONDS = 5.0
+"""How long a scrape or the stats line waits for the engine thread to read the cache (between
+two steps); past it they use the previous reading."""
 T = TypeVar("T")
 
 
@@ -75,7 +87,7 @@ def serve_in_thread(app: FastAPI, port: int, *, host: str = "127.0.0.1", start_t
         RuntimeError: uvicorn did not start within ``start_timeout`` seconds (a port in use, for
             example; its own log says why).
     """
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, name="kvscope-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout
@@ -91,22 +103,61 @@ def serve_in_thread(app: FastAPI, port: int, *, host: str = "127.0.0.1", start_t
         thread.join(start_timeout)
 
 
-def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
+def create_app(
+    loop: EngineLoop, model_name: str, *, url: str | None = None, access_log: bool = True, stats_interval_seconds: float = 10.0
+) -> FastAPI:
     """The FastAPI app serving ``loop``'s runtime as ``model_name``; starts the engine thread with
-    the app's lifespan and stops it after."""
+    the app's lifespan (logging the banner, naming ``url``, the OpenAI base URL, when given) and
+    stops it after.
+
+    Args:
+        access_log: log one line per HTTP request (:class:`~engine.runtime.server_log.AccessLog`).
+        stats_interval_seconds: log the stats line this often (0: never); ``app.state.log_stats``
+            (a coroutine function) logs one now and returns it (None: idle again, or the engine
+            thread did not answer).
+    """
+    if stats_interval_seconds < 0:
+        raise ValueError(f"stats_interval_seconds = {stats_interval_seconds} must be ≥ 0")
+    llm = loop.runtime.llm
+    metrics = ServerMetrics(loop, model_name)
+    stats = StatsLine(metrics.totals, time.monotonic())
+    created = int(time.time())
+
+    async def refresh_snapshot() -> None:
+        """Read the cache's usage on the engine thread into ``metrics.snapshot`` (kept as it
+        was when the engine is gone or busy past :data:`SNAPSHOT_TIMEOUT_SECONDS`)."""
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            metrics.snapshot = await loop.inspect(take_snapshot, timeout_seconds=SNAPSHOT_TIMEOUT_SECONDS)
+
+    async def log_stats() -> str | None:
+        await refresh_snapshot()
+        if metrics.snapshot is None:
+            return None
+        line = stats.line(metrics.totals, metrics.snapshot, time.monotonic())
+        if line is not None:
+            LOG.info("%s", line)
+        return line
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loop.start()
+        scheduler = None
         try:
+            LOG.info("%s", banner(loop.runtime, model_name, url))
+            if stats_interval_seconds > 0:
+                scheduler = AsyncIOScheduler(event_loop=asyncio.get_running_loop())
+                scheduler.add_job(log_stats, IntervalTrigger(seconds=stats_interval_seconds), id="stats", max_instances=1, coalesce=True)
+                scheduler.start()
             yield
         finally:
+            if scheduler is not None:
+                scheduler.shutdown(wait=False)
             loop.stop()
 
     app = FastAPI(title="kvscope", lifespan=lifespan)
-    llm = loop.runtime.llm
-    metrics = ServerMetrics(loop)
-    created = int(time.time())
+    app.state.log_stats = log_stats
+    if access_log:
+        app.add_middleware(AccessLog)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -142,6 +193,7 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        await refresh_snapshot()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def prompt_ids(prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
@@ -233,14 +285,21 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
             cutter = StopStrings(stops)
             seen = 0
             counted = False
+            prefilled = False
+            previous: Token | None = None
             try:
                 async with contextlib.aclosing(loop.generate(ids, params, request_id=rid, session=session)) as updates:
                     async for update in updates:
                         if isinstance(update, Token):
                             seen += 1
+                            if not prefilled:
+                                metrics.prefilled(update.request, first_token=True)
+                                prefilled = True
+                            metrics.token(update, previous)
+                            previous = update
                             text, stopped = cutter.push(decoder.push(update.token_id))
                             if stopped:  # leaving the stream aborts the request: its blocks are freed now
-                                metrics.observe(update.request, "stop", seen)
+                                metrics.finished("stop", time.perf_counter() - update.request.t0)
                                 counted = True
                                 yield text, "stop", usage(update.request, seen)
                                 return
@@ -249,7 +308,9 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
                         elif isinstance(update, Finished):
                             r = update.request
                             reason = str(r.finish_reason)  # stop, length, or abort (the server shutting down)
-                            metrics.observe(r, reason, seen)
+                            if not prefilled:  # max_tokens = 0, or ended before its first token
+                                metrics.prefilled(r, first_token=False)
+                            metrics.finished(reason, r.e2e_seconds)
                             counted = True
                             yield cutter.push(decoder.finish())[0] + cutter.flush(), reason, usage(r, seen)
                         elif isinstance(update, Failed):
@@ -261,7 +322,7 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
                             raise APIError(500, f"the engine failed: {update.error!r}", type="internal_error")
             finally:
                 if not counted:  # a client gone (or an engine failure) before the end
-                    metrics.requests.labels(finish_reason="abort").inc()
+                    metrics.finished("abort", None)
 
         def usage(r: RuntimeRequest, generated: int) -> dict[str, Any]:
             cached = r.report.recoverable_tokens if r.report is not None else 0

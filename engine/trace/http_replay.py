@@ -30,7 +30,7 @@ import httpx
 
 from engine.trace.formats import ChatSession, TraceRequest
 from engine.trace.prompts import PromptBuilder
-from engine.trace.replay import DEFAULT_SCALE, ReplayConfig
+from engine.trace.replay import DEFAULT_SCALE, ReplayConfig, compressed_offsets
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +77,6 @@ class HttpReplayResult:
             "ttft_mean_seconds": statistics.fmean(self.ttft_seconds) if self.ttft_seconds else None,
             "e2e_p50_seconds": pct(self.e2e_seconds, 0.5),
         }
-
-
-def compressed_offsets(requests: Sequence[TraceRequest], speed: float, max_wait_seconds: float) -> dict[str, float]:
-    """Wall seconds from the replay's start at which each request may go out: the trace's arrival
-    gaps in global order, divided by ``speed``, each capped at ``max_wait_seconds``."""
-    offsets: dict[str, float] = {}
-    ordered = sorted(requests, key=lambda r: r.arrival_seconds)
-    clock, previous = 0.0, ordered[0].arrival_seconds if ordered else 0.0
-    for r in ordered:
-        clock += min(max(0.0, r.arrival_seconds - previous) / speed, max_wait_seconds)
-        previous = r.arrival_seconds
-        offsets[r.request_id] = clock
-    return offsets
 
 
 async def model_card(client: httpx.AsyncClient) -> dict[str, Any]:
@@ -157,12 +144,14 @@ CHARS_PER_TOKEN = 4
 
 
 async def replay_chats_over_http(
-    base_url: str, sessions: Sequence[ChatSession], *, max_output_tokens: int, max_sessions: int | None = None, timeout_seconds: float = 600.0
+    base_url: str, sessions: Sequence[ChatSession], *, max_output_tokens: int, max_sessions: int | None = None, timeout_seconds: float = 600.0,
+    on_request: Callable[[], None] | None = None,
 ) -> HttpReplayResult:
     """Replay agent conversations (:func:`engine.trace.formats.read_swe_agent`) as real text
     chats: every session its own client sending its model calls in order to
     ``/v1/chat/completions`` with the history so far, as the agent did (so each call shares the
     previous call's prefix); sessions concurrently, at most ``max_sessions`` at once.
+    ``on_request()`` is called as each model call ends.
 
     Raises:
         ServerError: as :func:`replay_over_http`.
@@ -180,6 +169,8 @@ async def replay_chats_over_http(
                     tokens = max(1, min(max_output_tokens, turn.answer_chars // CHARS_PER_TOKEN))
                     body = {"model": card["id"], "messages": list(turn.messages), "max_tokens": tokens, "temperature": 0, "user": s.session_id}
                     await streamed(client, "/v1/chat/completions", body, f"{s.session_id}#{i}", result)
+                    if on_request is not None:
+                        on_request()
 
         await asyncio.gather(*(session(s) for s in sessions))
         result.wall_seconds = time.monotonic() - start

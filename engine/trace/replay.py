@@ -1,10 +1,12 @@
-"""Replaying a real trace through ``engine.LLM``.
+"""Replaying a real trace through the engine's batched runtime, in process.
 
-Requests run in arrival order (sessions interleaved by arrival; a session's own requests in its
-time order). Gaps between arrivals are divided by ``speed`` and each single wait is capped at
-``max_wait_seconds``, so long think times compress; when the engine falls behind, requests run
-back to back. Every request is a real prefill through the prefix cache followed by a real decode
-of its (scaled, capped) output length; the next prompt comes from the trace's ids, not from the
+Every session of the trace is a client: its requests go out in order, each no earlier than its
+arrival time and not before the session's previous request finished; sessions run concurrently
+through :class:`~engine.runtime.Runtime` (the continuous batching ``kvscope serve`` runs, without
+HTTP). Gaps between arrivals are divided by ``speed`` and each single wait is capped at
+``max_wait_seconds``, so long think times compress; when the engine falls behind, requests queue.
+Every request is a real prefill through the prefix cache followed by a real decode of its
+(scaled, capped) output length; the next prompt comes from the trace's ids, not from the
 generated text.
 """
 
@@ -13,13 +15,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from engine.events import Outcome
-from engine.llm import LLM, RequestTooLarge
+from engine.llm import LLM
 from engine.outputs import RequestOutput
+from engine.runtime import Runtime, RuntimeRequest, SchedulerConfig
 from engine.sampling import SamplingParams
 from engine.trace.formats import TraceRequest
 from engine.trace.prompts import PromptBuilder
@@ -42,6 +46,10 @@ class ReplayConfig:
         max_requests: stop after this many requests (None: the whole trace).
         max_output_tokens: cap on decoded tokens per request.
         seed: seeds the token ids of blocks and fillers.
+        max_num_seqs: requests running at once in the batched runtime (``kvscope serve``'s
+            ``--max-num-seqs``).
+        max_num_batched_tokens: tokens computed per engine step, decode and prefill together
+            (``kvscope serve``'s ``--max-num-batched-tokens``).
     """
 
     block_tokens: int | None = None
@@ -50,6 +58,8 @@ class ReplayConfig:
     max_requests: int | None = None
     max_output_tokens: int = 16
     seed: int = 0
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.block_tokens is not None and self.block_tokens <= 0:
@@ -62,6 +72,8 @@ class ReplayConfig:
             raise ValueError(f"max_requests = {self.max_requests} must be positive")
         if self.max_output_tokens < 0:
             raise ValueError(f"max_output_tokens = {self.max_output_tokens} must be >= 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs = {self.max_num_seqs} and max_num_batched_tokens = {self.max_num_batched_tokens} must be at least 1")
 
 
 @dataclass(slots=True)
@@ -118,6 +130,19 @@ class ReplayTally:
 ProgressCallback = Callable[[int, int, TraceRequest, RequestOutput | None], None]
 
 
+def compressed_offsets(requests: Sequence[TraceRequest], speed: float, max_wait_seconds: float) -> dict[str, float]:
+    """Wall seconds from the replay's start at which each request may go out: the trace's arrival
+    gaps in global order, divided by ``speed``, each capped at ``max_wait_seconds``."""
+    offsets: dict[str, float] = {}
+    ordered = sorted(requests, key=lambda r: r.arrival_seconds)
+    clock, previous = 0.0, ordered[0].arrival_seconds if ordered else 0.0
+    for r in ordered:
+        clock += min(max(0.0, r.arrival_seconds - previous) / speed, max_wait_seconds)
+        previous = r.arrival_seconds
+        offsets[r.request_id] = clock
+    return offsets
+
+
 def replay(
     llm: LLM,
     requests: Sequence[TraceRequest],
@@ -128,44 +153,134 @@ def replay(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> ReplayTally:
-    """Run the trace's requests through ``llm``; returns the in-process tally.
+    """Run the trace's requests through ``llm``'s batched runtime; returns the in-process tally.
 
-    ``on_request(done, total, request, output)`` is called after each request (output None when
-    the request was skipped because it cannot fit the cache pools — logged and counted).
-    ``stop`` ends the replay early between requests.
+    The requests go through :class:`~engine.runtime.Runtime` — the continuous batching
+    ``kvscope serve`` runs — in process: every session is a client sending its requests in
+    order, each no earlier than its compressed arrival (:func:`compressed_offsets`) and not
+    before the session's previous request finished; sessions run concurrently within
+    ``config.max_num_seqs`` and ``config.max_num_batched_tokens`` (the HTTP replay's schedule,
+    :mod:`engine.trace.http_replay`). ``sleep`` is called only while nothing is running and the
+    next arrival is ahead.
+
+    ``on_request(done, total, request, output)`` is called as each request ends (output None
+    when it was skipped because it cannot fit the cache pools — logged and counted). ``stop``
+    ends the replay early: no request starts after it is set, the running ones finish.
+
+    The steps run on an engine thread of their own, as ``kvscope serve``'s do
+    (:class:`~engine.runtime.engine_loop.EngineLoop`), and this call waits for it. Driven from
+    the main thread, the same steps cost the same on an idle machine but 24× the CPU with one
+    busy process beside them on 2 cores (torch's OpenMP pool; ``benchmarks/one_path.py
+    --burners 1``: 136 CPU-s against 5.7 for 20 requests). ``on_request`` runs on that thread.
+
+    Raises:
+        ValueError: a model the runtime cannot batch (from :class:`~engine.runtime.Runtime`).
     """
+    result: list[ReplayTally] = []
+    failure: list[BaseException] = []
+    stop = stop if stop is not None else threading.Event()
+    if sleep is time.sleep:  # a stop also ends a wait for the next arrival
+        sleep = stop.wait  # type: ignore[assignment]
+
+    def run() -> None:
+        try:
+            result.append(_replay(llm, requests, config, on_request=on_request, stop=stop, sleep=sleep, clock=clock))
+        except BaseException as exc:  # re-raised on the caller's thread
+            failure.append(exc)
+
+    engine = threading.Thread(target=run, name="kvscope-replay-engine")
+    engine.start()
+    try:
+        engine.join()
+    except BaseException:  # Ctrl-C: the running requests finish, none starts
+        stop.set()
+        engine.join()
+        raise
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def _replay(
+    llm: LLM, requests: Sequence[TraceRequest], config: ReplayConfig, *, on_request: ProgressCallback | None,
+    stop: threading.Event | None, sleep: Callable[[float], None], clock: Callable[[], float],
+) -> ReplayTally:  # fmt: skip
+    """:func:`replay`'s loop, on the engine thread."""
     todo = list(requests[: config.max_requests] if config.max_requests else requests)
     block_tokens = config.block_tokens
     if block_tokens is None:
         block_tokens = max(1, (todo[0].block_tokens if todo else 64) // DEFAULT_SCALE)
     builder = PromptBuilder(block_tokens, llm.layout.vocab_size, config.seed)
     tally = ReplayTally()
-    scheduled = clock()
-    previous_arrival = todo[0].arrival_seconds if todo else 0.0
-    for i, req in enumerate(todo):
-        if stop is not None and stop.is_set():
-            break
-        gap = max(0.0, req.arrival_seconds - previous_arrival) / config.speed
-        previous_arrival = req.arrival_seconds
-        scheduled += min(gap, config.max_wait_seconds)
-        now = clock()
-        if scheduled > now:
-            if stop is not None:
-                stop.wait(scheduled - now)
-            else:
-                sleep(scheduled - now)
-        else:
-            scheduled = now
-        prompt = builder.prompt(req)
-        params = SamplingParams(max_tokens=builder.output_tokens(req, config.max_output_tokens))
-        try:
-            out: RequestOutput | None = llm.generate([prompt], params, request_ids=[req.request_id])[0]
-        except RequestTooLarge as exc:
-            log.warning("request %s skipped: %s", req.request_id, exc)
+    offsets = compressed_offsets(todo, config.speed, config.max_wait_seconds)
+    sessions: dict[str, deque[TraceRequest]] = defaultdict(deque)
+    for req in sorted(todo, key=lambda r: r.arrival_seconds):
+        sessions[req.session_id].append(req)
+    runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs))
+    busy: set[str] = set()
+    ready_at: dict[str, float] = {}  # a session's next request may start no earlier (its previous one ended then)
+    finished: list[tuple[TraceRequest, RuntimeRequest]] = []
+    start = clock()
+    done = 0
+
+    def report(req: TraceRequest, out: RequestOutput | None) -> None:
+        nonlocal done
+        done += 1
+        if out is None:
             tally.skipped_requests += 1
-            out = None
-        if out is not None:
+        else:
             tally.add(out)
         if on_request is not None:
-            on_request(i + 1, len(todo), req, out)
+            on_request(done, len(todo), req, out)
+
+    while True:
+        stopping = stop is not None and stop.is_set()
+        now = clock()
+        next_due: float | None = None
+        for sid, queue in sessions.items():
+            if stopping or not queue or sid in busy:
+                continue
+            due = max(start + offsets[queue[0].request_id], ready_at.get(sid, start))
+            if due > now:
+                next_due = due if next_due is None else min(next_due, due)
+                continue
+            req = queue.popleft()
+            params = SamplingParams(max_tokens=builder.output_tokens(req, config.max_output_tokens))
+            try:
+                runtime.add_request(builder.prompt(req), params, request_id=req.request_id, session=sid, on_finish=partial(_ended, finished, req))
+            except ValueError as exc:  # too large for the pools, or max_model_len
+                log.warning("request %s skipped: %s", req.request_id, exc)
+                report(req, None)
+                ready_at[sid] = now
+                continue
+            busy.add(sid)
+        if runtime.has_unfinished():
+            runtime.step()
+        elif next_due is None:
+            break
+        else:
+            sleep(max(0.0, next_due - clock()))
+        for req, r in finished:
+            runtime.pop_finished(r.request_id)
+            busy.discard(req.session_id)
+            ready_at[req.session_id] = clock()
+            report(req, _output(llm, r))
+        finished.clear()
     return tally
+
+
+def _ended(finished: list[tuple[TraceRequest, RuntimeRequest]], req: TraceRequest, r: RuntimeRequest) -> None:
+    finished.append((req, r))
+
+
+def _output(llm: LLM, r: RuntimeRequest) -> RequestOutput:
+    assert r.report is not None and r.ttft_seconds is not None and r.e2e_seconds is not None
+    return RequestOutput(
+        request_id=r.request_id,
+        prompt_token_ids=r.prompt_token_ids,
+        output_token_ids=r.output_token_ids,
+        text=llm.tokenizer.decode(r.output_token_ids),
+        cache=r.report,
+        ttft_seconds=r.ttft_seconds,
+        e2e_seconds=r.e2e_seconds,
+    )

@@ -38,15 +38,15 @@ def snapshot(store: Store) -> dict[str, list[tuple[Any, ...]]]:
 def test_json_batch_stores_exact_rows(loaded: TestClient, store: Store, base: int) -> None:
     with store.cursor() as cur:
         requests = cur.execute(
-            "SELECT * EXCLUDE (ingested_at) FROM requests ORDER BY request_id"
+            "SELECT * EXCLUDE (ingested_at, run_id) FROM requests ORDER BY request_id"
         ).fetchall()
         lookups = cur.execute(
             "SELECT ts, request_id, form, tier, outcome, reason, hash_hit_tokens, usable_tokens, "
             "recoverable_tokens, replayed_tokens, approximate, recovery_seconds, bytes_moved, "
             "layer_group, tp_rank, epoch FROM cache_lookups ORDER BY request_id, form"
         ).fetchall()
-        stats = cur.execute("SELECT * EXCLUDE (ingested_at) FROM engine_stats").fetchall()
-        blocks = cur.execute("SELECT * EXCLUDE (ingested_at) FROM block_events").fetchall()
+        stats = cur.execute("SELECT * EXCLUDE (ingested_at, run_id) FROM engine_stats").fetchall()
+        blocks = cur.execute("SELECT * EXCLUDE (ingested_at, run_id) FROM block_events").fetchall()
         batches = cur.execute(
             "SELECT engine_id, seq, rows, status, error FROM ingest_batches"
         ).fetchall()

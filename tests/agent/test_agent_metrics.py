@@ -134,3 +134,11 @@ def test_tensor_parallel_disagreements_are_counted_by_the_vetoing_rank(client: T
         ("kvscope_tp_disagreements_total", lbl(**EM, form="linear_state", tp_rank="1")): 2.0,
         ("kvscope_tp_disagreements_total", lbl(**EM, form="full_kv", tp_rank="3")): 1.0,
     }
+
+
+def test_metrics_export_no_created_series(client: TestClient, base: int) -> None:
+    assert client.post("/v1/events", content=json_body(batch(1, known_events(base))), headers=JSON).json()["status"] == "stored"
+    text = client.get("/metrics").text
+    assert "kvscope_cache_lookups_total{" in text  # counters and histograms are there, with samples
+    assert "kvscope_ingest_lag_seconds_bucket{" in text
+    assert [line for line in text.splitlines() if "_created" in line] == []

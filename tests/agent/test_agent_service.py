@@ -258,7 +258,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
     con.close()
     store = Store.open(path)
     try:
-        assert store.open_report.applied == (2, 3, 4, 5, 6, 7, 8, 9, 10)
+        assert store.open_report.applied == (2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
         assert store.schema_version == SCHEMA_VERSION
         with store.cursor() as cur:  # migration 5: old alert rows are transitions
             assert cur.execute("SELECT state, event, receiver, error FROM alerts").fetchall() == [("firing", "transition", None, None)]
@@ -290,7 +290,7 @@ def test_a_version_8_database_gains_limiting_forms_and_keeps_its_rows(tmp_path: 
     )
     con.close()
     with Store.open(path) as store:
-        assert store.open_report.applied == (9, 10) and store.schema_version == SCHEMA_VERSION == 10
+        assert store.open_report.applied == (9, 10, 11) and store.schema_version == SCHEMA_VERSION == 11
         tie = request_event(
             minute_start() + 1, "r-tie", hash_hit_tokens=64, resume_tokens=48, recoverable_tokens=48, recomputed_tokens=952,
             limiting_form="full_kv", limiting_reason="tier_incomplete", limiting_forms=["full_kv", "swa_window"],

@@ -65,7 +65,7 @@ def test_a_version_9_database_gains_the_sync_delay_columns_reading_0(tmp_path: P
     )
     con.close()
     with Store.open(path) as store:
-        assert store.open_report.applied == (10,) and store.schema_version == SCHEMA_VERSION == 10
+        assert store.open_report.applied == (10, 11) and store.schema_version == SCHEMA_VERSION == 11
         new = indexer_lookup(minute_start() + 1, "r-new", indexer_sync_delay_tokens=16, indexer_sync_delay_seconds=3.0)
         assert ingest_batch(store, decode_batch(json_body(batch(1, [new]))), received_at=utc_now()).status == "stored"
         with store.cursor() as cur:

@@ -62,6 +62,11 @@ def rate(db: Path) -> float:
     return float(value)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 24 open: since kvscope up replays through the batched runtime, the ghost-point estimate explains "
+    "49-53 % of the larger pools' gain (60 % before, on the one-request-at-a-time replay; also with --max-num-seqs 1)",
+)
 def test_the_what_if_predicts_a_replay_with_more_memory(tmp_path: Path) -> None:
     small_db, log = replay(tmp_path, "small", SMALL)
     pools = plan(log)

@@ -222,19 +222,26 @@ def test_replay_sends_its_events_to_an_agent(tmp_path: Path) -> None:
             time.sleep(0.2)
         from kvscope.data import bundled_trace
 
-        out = subprocess.run(
-            [*KVSCOPE, "replay", str(bundled_trace()), "--agent", url, "--max-requests", "4", "--speed", "1000",
-             "--max-output-tokens", "2", "--json"],
-            capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        summary = json.loads(out.stdout)
-        body = httpx.post(
-            url + "/v1/sql",
-            json={"sql": f"SELECT count(*), sum(recoverable_tokens) FROM requests WHERE engine_id = '{summary['engine_id']}'"},
-            timeout=10,
-        ).json()
-        assert body["rows"] == [[4, summary["recoverable_tokens"]]]
+        runs = []
+        for max_requests in (4, 3):  # the same engine id twice: the second run reads back its own events
+            out = subprocess.run(
+                [*KVSCOPE, "replay", str(bundled_trace()), "--agent", url, "--max-requests", str(max_requests), "--speed", "1000",
+                 "--max-output-tokens", "2", "--json", "--engine-id", "replay-test"],
+                capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+            assert out.returncode == 0, out.stderr
+            assert "replay " in out.stderr and "requests (100 %)" in out.stderr  # a progress line, stderr not a terminal
+            runs.append(json.loads(out.stdout))
+        first, second = runs
+        assert first["engine_id"] == second["engine_id"] == "replay-test" and first["run_id"] != second["run_id"]
+        assert (first["requests"], second["requests"]) == (4, 3)
+        for summary in runs:
+            body = httpx.post(
+                url + "/v1/sql",
+                json={"sql": f"SELECT count(*), sum(recoverable_tokens) FROM requests WHERE run_id = '{summary['run_id']}'"},
+                timeout=10,
+            ).json()
+            assert body["rows"] == [[summary["requests"], summary["recoverable_tokens"]]]
     finally:
         agent.terminate()
         agent.wait(30)
