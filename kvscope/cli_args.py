@@ -122,7 +122,7 @@ def add_replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=positive_int, default=None, help="stop after N requests")
     p.add_argument("--block-tokens", type=positive_int, default=None, help="tokens per trace block in the replay (default: the trace's block size / 16)")
     p.add_argument("--max-output-tokens", type=int, default=16, help="cap on decoded tokens per request (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=32, help="requests running at once in the batched runtime, as kvscope serve's flag (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=8, help="requests out at once, first arrival first (kvscope serve's flag of that name caps the running ones; default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=256, help="tokens computed per engine step, as kvscope serve's flag (default: %(default)s)")
     add_cache_flags(p)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")

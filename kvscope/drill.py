@@ -38,6 +38,7 @@ import alerts
 from agent.client import AgentClient, AgentError
 from engine.cache import CacheConfig
 from engine.llm import LLM
+from engine.runtime.engine_thread import EngineThread
 from engine.outputs import RequestOutput
 from engine.trace.formats import TraceRequest
 from engine.trace.replay import ReplayConfig, replay
@@ -78,7 +79,12 @@ def calibrate(
     Raises:
         ValueError: fewer than three requests were replayed (nothing to measure a rate from).
     """
-    llm = LLM(model, cache=cache, engine_id="drill-calibration")
+    engine = EngineThread("kvscope-calibration")  # as the replay's engine: built and stepped on one thread
+    try:
+        llm = engine.run(LLM, model, cache=cache, engine_id="drill-calibration")
+    except BaseException:
+        engine.close()
+        raise
     stop = threading.Event()
     started = time.monotonic()
     done: list[tuple[float, float, int]] = []  # (finished at, seconds slept so far, prompt tokens)
@@ -96,9 +102,10 @@ def calibrate(
             stop.set()
 
     try:
-        replay(llm, requests, ReplayConfig(**{**_fields(config), "max_requests": max_requests}), on_request=on_request, stop=stop, sleep=sleep)
+        replay(llm, requests, ReplayConfig(**{**_fields(config), "max_requests": max_requests}), on_request=on_request, stop=stop, sleep=sleep, thread=engine)
     finally:
-        llm.close(timeout_seconds=10)
+        engine.run(llm.close, timeout_seconds=10)
+        engine.close()
     if len(done) < 3:
         raise ValueError(f"the drill's calibration replayed {len(done)} requests in {seconds:.0f} s: the machine is too slow for a drill")
     (first_at, first_slept, _), measured = done[0], done[1:]

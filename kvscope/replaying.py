@@ -23,6 +23,7 @@ from engine.config import HybridConfig
 from engine.events import Form
 from engine.llm import LLM
 from engine.outputs import RequestOutput
+from engine.runtime.engine_thread import EngineThread
 from engine.telemetry import TelemetryClient
 from engine.trace.formats import TraceRequest
 from engine.trace.replay import ReplayConfig, ReplayTally, replay
@@ -168,9 +169,15 @@ def run_replay(
     if agent_url is not None:  # events the agent cannot take yet wait in <spool_dir>/<engine id>.spool
         spool = spool_dir / f"{engine_id}.spool" if spool_dir is not None else None
         sink = TelemetryClient(agent_url, engine_id, spool_path=spool)
-    llm = LLM(model, cache=cache, telemetry=sink, engine_id=engine_id)
+    engine = EngineThread()  # the model is built, stepped and closed on one thread (engine_thread's docstring)
+    try:
+        llm = engine.run(LLM, model, cache=cache, telemetry=sink, engine_id=engine_id)
+    except BaseException:
+        engine.close()
+        raise
     if squeeze is not None and not any(f.form is Form.SWA_WINDOW for f in llm.cache.kv_forms):
-        llm.close(timeout_seconds=60)
+        engine.run(llm.close, timeout_seconds=60)
+        engine.close()
         raise ValueError("--squeeze-window-pool needs a model with sliding-window layers (a swa_window pool)")
     console.print(llm.cache.memory_plan().render(), markup=False, highlight=False)
     started = time.monotonic()
@@ -197,10 +204,12 @@ def run_replay(
                             on_squeeze(due, time.time())
                 show(done)
 
-            tally = replay(llm, requests, config, on_request=on_request, stop=stop)
-        llm.emit_engine_stats()
+            tally = replay(llm, requests, config, on_request=on_request, stop=stop, thread=engine)
+        engine.run(llm.emit_engine_stats)
     finally:
-        llm.close(timeout_seconds=60)
+        if engine.alive:
+            engine.run(llm.close, timeout_seconds=60)
+            engine.close()
     lost = llm.sink.lost_events if isinstance(llm.sink, TelemetryClient) else 0
     if lost:
         console.print(f"[red]telemetry lost {lost} events: the agent did not store them (see its log)[/]")

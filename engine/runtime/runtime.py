@@ -39,6 +39,7 @@ from engine.cache.block_pool import PoolExhausted
 from engine.llm import LLM
 from engine.model.state import PackedStates
 from engine.outputs import RequestOutput
+from engine.request_lifecycle import RequestTooLarge
 from engine.runtime import runtime_ranks
 from engine.runtime.memory_fit import fits
 from engine.runtime.model_runner import DecodeRunner, supports_static_decode
@@ -124,14 +125,15 @@ class Runtime:
         (stop, length or abort), both on the stepping thread.
 
         Raises:
-            ValueError: an empty prompt, a token outside the vocabulary, a request that cannot
-                fit the cache pools, or a request id already in use.
+            ValueError: an empty prompt, a token outside the vocabulary, or a request id already
+                in use.
+            RequestTooLarge: a request that cannot fit the cache pools or ``max_model_len``.
         """
         params = params or SamplingParams()
         ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.lifecycle.validate(ids, params.max_tokens)
         if len(ids) + params.max_tokens > self.config.max_model_len:
-            raise ValueError(f"{len(ids)} prompt + {params.max_tokens} output tokens exceed max_model_len = {self.config.max_model_len}")
+            raise RequestTooLarge(f"{len(ids)} prompt + {params.max_tokens} output tokens exceed max_model_len = {self.config.max_model_len}")
         rid = request_id or self.lifecycle.new_request_id()
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

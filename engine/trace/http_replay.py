@@ -30,7 +30,8 @@ import httpx
 
 from engine.trace.formats import ChatSession, TraceRequest
 from engine.trace.prompts import PromptBuilder
-from engine.trace.replay import DEFAULT_SCALE, ReplayConfig, compressed_offsets
+from engine.trace.replay import DEFAULT_SCALE, ReplayConfig
+from engine.trace.schedule import ArrivalSchedule
 
 log = logging.getLogger(__name__)
 

@@ -12,21 +12,25 @@ generated text.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 from engine.events import Outcome
 from engine.llm import LLM
+from engine.request_lifecycle import RequestTooLarge
 from engine.outputs import RequestOutput
 from engine.runtime import Runtime, RuntimeRequest, SchedulerConfig
+from engine.runtime.engine_thread import EngineThread
 from engine.sampling import SamplingParams
 from engine.trace.formats import TraceRequest
 from engine.trace.prompts import PromptBuilder
+from engine.trace.schedule import ArrivalSchedule
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ class ReplayConfig:
     max_requests: int | None = None
     max_output_tokens: int = 16
     seed: int = 0
-    max_num_seqs: int = 32
+    max_num_seqs: int = 8
     max_num_batched_tokens: int = 256
 
     def __post_init__(self) -> None:
@@ -129,18 +133,9 @@ class ReplayTally:
 
 ProgressCallback = Callable[[int, int, TraceRequest, RequestOutput | None], None]
 
-
-def compressed_offsets(requests: Sequence[TraceRequest], speed: float, max_wait_seconds: float) -> dict[str, float]:
-    """Wall seconds from the replay's start at which each request may go out: the trace's arrival
-    gaps in global order, divided by ``speed``, each capped at ``max_wait_seconds``."""
-    offsets: dict[str, float] = {}
-    ordered = sorted(requests, key=lambda r: r.arrival_seconds)
-    clock, previous = 0.0, ordered[0].arrival_seconds if ordered else 0.0
-    for r in ordered:
-        clock += min(max(0.0, r.arrival_seconds - previous) / speed, max_wait_seconds)
-        previous = r.arrival_seconds
-        offsets[r.request_id] = clock
-    return offsets
+HARD_STOP_JOIN_SECONDS = 10.0
+"""After a second interrupt, how long :func:`replay` waits for the engine thread to abort its
+requests before it re-raises."""
 
 
 def replay(
@@ -150,60 +145,68 @@ def replay(
     *,
     on_request: ProgressCallback | None = None,
     stop: threading.Event | None = None,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    thread: EngineThread | None = None,
 ) -> ReplayTally:
     """Run the trace's requests through ``llm``'s batched runtime; returns the in-process tally.
 
     The requests go through :class:`~engine.runtime.Runtime` — the continuous batching
-    ``kvscope serve`` runs — in process: every session is a client sending its requests in
-    order, each no earlier than its compressed arrival (:func:`compressed_offsets`) and not
-    before the session's previous request finished; sessions run concurrently within
-    ``config.max_num_seqs`` and ``config.max_num_batched_tokens`` (the HTTP replay's schedule,
-    :mod:`engine.trace.http_replay`). ``sleep`` is called only while nothing is running and the
-    next arrival is ahead.
+    ``kvscope serve`` runs — in process, on the replay's schedule
+    (:class:`~engine.trace.schedule.ArrivalSchedule`, shared with the replay against a server):
+    every session is a client sending its requests in order, each no earlier than its compressed
+    arrival and after the session's previous request ended; at most ``config.max_num_seqs`` are
+    out at once, first arrival first, and each engine step computes at most
+    ``config.max_num_batched_tokens`` tokens. ``sleep`` (default: a wait that a stop ends) is
+    called only while nothing is running and the next arrival is ahead.
 
     ``on_request(done, total, request, output)`` is called as each request ends (output None
-    when it was skipped because it cannot fit the cache pools — logged and counted). ``stop``
-    ends the replay early: no request starts after it is set, the running ones finish.
+    when it was skipped because it cannot fit the cache pools or ``max_model_len`` — logged and
+    counted). ``stop`` ends the replay early: no request starts after it is set (queued ones are
+    dropped), the running ones finish. An interrupt (Ctrl-C) on the calling thread sets it; a
+    second one aborts the running requests too and is re-raised.
 
-    The steps run on an engine thread of their own, as ``kvscope serve``'s do
-    (:class:`~engine.runtime.engine_loop.EngineLoop`), and this call waits for it. Driven from
-    the main thread, the same steps cost the same on an idle machine but 24× the CPU with one
-    busy process beside them on 2 cores (torch's OpenMP pool; ``benchmarks/one_path.py
-    --burners 1``: 136 CPU-s against 5.7 for 20 requests). ``on_request`` runs on that thread.
+    The steps run on ``thread`` — the :class:`~engine.runtime.engine_thread.EngineThread` that
+    built ``llm``, so torch keeps one OpenMP team (that module's docstring) — or, without one,
+    on a thread of their own; this call waits for them. ``on_request`` runs there.
 
     Raises:
         ValueError: a model the runtime cannot batch (from :class:`~engine.runtime.Runtime`).
     """
-    result: list[ReplayTally] = []
-    failure: list[BaseException] = []
     stop = stop if stop is not None else threading.Event()
-    if sleep is time.sleep:  # a stop also ends a wait for the next arrival
-        sleep = stop.wait  # type: ignore[assignment]
-
-    def run() -> None:
-        try:
-            result.append(_replay(llm, requests, config, on_request=on_request, stop=stop, sleep=sleep, clock=clock))
-        except BaseException as exc:  # re-raised on the caller's thread
-            failure.append(exc)
-
-    engine = threading.Thread(target=run, name="kvscope-replay-engine")
-    engine.start()
+    hard_stop = threading.Event()
+    wait = sleep if sleep is not None else stop.wait
+    own = thread is None
+    engine = thread if thread is not None else EngineThread("kvscope-replay-engine")
     try:
-        engine.join()
-    except BaseException:  # Ctrl-C: the running requests finish, none starts
-        stop.set()
-        engine.join()
-        raise
-    if failure:
-        raise failure[0]
-    return result[0]
+        if engine.here:
+            return _replay(llm, requests, config, on_request=on_request, stop=stop, hard_stop=hard_stop, sleep=wait, clock=clock)
+        running = engine.submit(_replay, llm, requests, config, on_request=on_request, stop=stop, hard_stop=hard_stop, sleep=wait, clock=clock)
+        try:
+            try:
+                return running.result()
+            except KeyboardInterrupt:  # the first Ctrl-C: nothing new starts, the running requests finish
+                if running.done():
+                    raise
+                log.warning("interrupted: finishing the running requests (interrupt again to abort them)")
+                stop.set()
+                running.result()
+                raise
+        except KeyboardInterrupt:
+            if not running.done():  # the second: abort the running requests, leave the loop
+                hard_stop.set()
+                stop.set()
+                with contextlib.suppress(BaseException):
+                    running.result(HARD_STOP_JOIN_SECONDS)
+            raise
+    finally:
+        if own:
+            engine.close(HARD_STOP_JOIN_SECONDS)
 
 
 def _replay(
     llm: LLM, requests: Sequence[TraceRequest], config: ReplayConfig, *, on_request: ProgressCallback | None,
-    stop: threading.Event | None, sleep: Callable[[float], None], clock: Callable[[], float],
+    stop: threading.Event, hard_stop: threading.Event, sleep: Callable[[float], None], clock: Callable[[], float],
 ) -> ReplayTally:  # fmt: skip
     """:func:`replay`'s loop, on the engine thread."""
     todo = list(requests[: config.max_requests] if config.max_requests else requests)
@@ -212,13 +215,8 @@ def _replay(
         block_tokens = max(1, (todo[0].block_tokens if todo else 64) // DEFAULT_SCALE)
     builder = PromptBuilder(block_tokens, llm.layout.vocab_size, config.seed)
     tally = ReplayTally()
-    offsets = compressed_offsets(todo, config.speed, config.max_wait_seconds)
-    sessions: dict[str, deque[TraceRequest]] = defaultdict(deque)
-    for req in sorted(todo, key=lambda r: r.arrival_seconds):
-        sessions[req.session_id].append(req)
+    schedule = ArrivalSchedule(todo, speed=config.speed, max_wait_seconds=config.max_wait_seconds, limit=config.max_num_seqs)
     runtime = Runtime(llm, SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs))
-    busy: set[str] = set()
-    ready_at: dict[str, float] = {}  # a session's next request may start no earlier (its previous one ended then)
     finished: list[tuple[TraceRequest, RuntimeRequest]] = []
     start = clock()
     done = 0
@@ -226,6 +224,7 @@ def _replay(
     def report(req: TraceRequest, out: RequestOutput | None) -> None:
         nonlocal done
         done += 1
+        schedule.ended(req)
         if out is None:
             tally.skipped_requests += 1
         else:
@@ -233,40 +232,45 @@ def _replay(
         if on_request is not None:
             on_request(done, len(todo), req, out)
 
-    while True:
-        stopping = stop is not None and stop.is_set()
-        now = clock()
-        next_due: float | None = None
-        for sid, queue in sessions.items():
-            if stopping or not queue or sid in busy:
-                continue
-            due = max(start + offsets[queue[0].request_id], ready_at.get(sid, start))
-            if due > now:
-                next_due = due if next_due is None else min(next_due, due)
-                continue
-            req = queue.popleft()
-            params = SamplingParams(max_tokens=builder.output_tokens(req, config.max_output_tokens))
-            try:
-                runtime.add_request(builder.prompt(req), params, request_id=req.request_id, session=sid, on_finish=partial(_ended, finished, req))
-            except ValueError as exc:  # too large for the pools, or max_model_len
-                log.warning("request %s skipped: %s", req.request_id, exc)
-                report(req, None)
-                ready_at[sid] = now
-                continue
-            busy.add(sid)
-        if runtime.has_unfinished():
-            runtime.step()
-        elif next_due is None:
-            break
-        else:
-            sleep(max(0.0, next_due - clock()))
-        for req, r in finished:
-            runtime.pop_finished(r.request_id)
-            busy.discard(req.session_id)
-            ready_at[req.session_id] = clock()
-            report(req, _output(llm, r))
-        finished.clear()
+    try:
+        while True:
+            if stop.is_set() and not schedule.closed:
+                schedule.close()
+                for r in list(runtime.waiting):  # queued, never admitted: dropped, no events
+                    if r.first_admission is None:
+                        runtime.abort(r.request_id)
+                        runtime.pop_finished(r.request_id)
+                        finished[:] = [f for f in finished if f[1] is not r]
+                        schedule.ended(_trace_request(todo, r.request_id))
+            if hard_stop.is_set():
+                break
+            for req in schedule.take_due(clock() - start):
+                params = SamplingParams(max_tokens=builder.output_tokens(req, config.max_output_tokens))
+                try:
+                    runtime.add_request(builder.prompt(req), params, request_id=req.request_id, session=req.session_id, on_finish=partial(_ended, finished, req))
+                except RequestTooLarge as exc:
+                    log.warning("request %s skipped: %s", req.request_id, exc)
+                    report(req, None)
+            if runtime.has_unfinished():
+                runtime.step()
+            elif schedule.finished():
+                break
+            else:
+                due = schedule.next_due()
+                assert due is not None, "nothing running, nothing due, and the schedule not finished"
+                sleep(max(0.0, start + due - clock()))
+            for req, r in finished:
+                runtime.pop_finished(r.request_id)
+                report(req, _output(llm, r))
+            finished.clear()
+    finally:  # an exception or a hard stop: nothing stays leased
+        for rid in list(runtime.requests):
+            runtime.abort(rid)
     return tally
+
+
+def _trace_request(todo: Sequence[TraceRequest], request_id: str) -> TraceRequest:
+    return next(r for r in todo if r.request_id == request_id)
 
 
 def _ended(finished: list[tuple[TraceRequest, RuntimeRequest]], req: TraceRequest, r: RuntimeRequest) -> None:

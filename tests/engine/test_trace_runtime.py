@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from engine import LLM, CacheConfig
 from engine.trace.formats import TraceRequest
-from engine.trace.replay import ReplayConfig, compressed_offsets, replay
+from engine.trace.replay import ReplayConfig, replay
+from engine.trace.schedule import compressed_offsets
 
 
 def request(rid: str, session: str, t: float, ids: tuple[int, ...]) -> TraceRequest:
