@@ -148,13 +148,13 @@ FORM_USABLE_TIMESERIES = NamedQuery(
     ), per_request AS (
         SELECT r.ts, r.prompt_tokens, l.form, min(l.usable_tokens) AS usable_tokens
         FROM requests AS r
-        JOIN cache_lookups AS l USING (engine_id, request_id)
+        JOIN cache_lookups AS l ON l.engine_id = r.engine_id AND l.request_id = r.request_id AND l.run_id IS NOT DISTINCT FROM r.run_id
         WHERE $bucket_seconds::BIGINT % 60 <> 0
           AND r.ts >= $now - to_seconds($since_seconds::BIGINT) AND {FILTER_SQL.format(t="r.")}
           -- a request's lookups: within an hour of its ts (agent.rollups.LOOKUP_SLACK)
           AND l.ts >= $now - to_seconds($since_seconds::BIGINT) - {LOOKUP_SLACK}
           AND l.ts BETWEEN r.ts - {LOOKUP_SLACK} AND r.ts + {LOOKUP_SLACK}
-        GROUP BY r.engine_id, r.request_id, r.ts, r.prompt_tokens, l.form
+        GROUP BY r.engine_id, r.run_id, r.request_id, r.ts, r.prompt_tokens, l.form
     ), raw AS (
         SELECT {BUCKET_EXPR.format(t="")} AS bucket, form,
                sum(usable_tokens) AS usable_tokens, sum(prompt_tokens) AS prompt_tokens

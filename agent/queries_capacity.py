@@ -113,7 +113,7 @@ CAPACITY_WHATIF = NamedQuery(
     ),
     sql=f"""
     WITH per_form AS (
-        SELECT r.engine_id, r.request_id, r.prompt_tokens, r.recoverable_tokens AS recorded, l.form,
+        SELECT r.engine_id, r.run_id, r.request_id, r.prompt_tokens, r.recoverable_tokens AS recorded, l.form,
                min(l.usable_tokens) AS usable,
                min(CASE
                        -- more memory: a lookup that lost tokens resumes at its ghost point if that fits
@@ -124,7 +124,7 @@ CAPACITY_WHATIF = NamedQuery(
                        ELSE l.usable_tokens
                    END) AS usable_if
         FROM requests AS r
-        JOIN cache_lookups AS l USING (engine_id, request_id)
+        JOIN cache_lookups AS l ON l.engine_id = r.engine_id AND l.request_id = r.request_id AND l.run_id IS NOT DISTINCT FROM r.run_id
         WHERE r.ts >= $now - to_seconds($since_seconds::BIGINT) AND {FILTER_SQL.format(t="r.")}
           AND l.ts >= $now - to_seconds($since_seconds::BIGINT) - {LOOKUP_SLACK}
           AND l.ts BETWEEN r.ts - {LOOKUP_SLACK} AND r.ts + {LOOKUP_SLACK}
@@ -132,7 +132,7 @@ CAPACITY_WHATIF = NamedQuery(
     ), per_request AS (
         SELECT prompt_tokens, recorded, min(usable) AS replay, min(usable_if) AS what_if
         FROM per_form
-        GROUP BY engine_id, request_id, prompt_tokens, recorded
+        GROUP BY engine_id, run_id, request_id, prompt_tokens, recorded
     )
     SELECT count(*) AS requests, coalesce(sum(prompt_tokens), 0)::BIGINT AS prompt_tokens,
            coalesce(sum(recorded), 0)::BIGINT AS recorded_tokens, coalesce(sum(replay), 0)::BIGINT AS replay_tokens,

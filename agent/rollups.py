@@ -94,7 +94,7 @@ and by the raw queries alike."""
 _FORM_USABLE_UPSERT = f"""
     INSERT INTO form_usable_minute
     WITH touched AS (  -- requests stored since the fold, and older ones a late lookup belongs to
-        SELECT engine_id, request_id, model, ts, prompt_tokens, ingested_at > $low AS new
+        SELECT engine_id, run_id, request_id, model, ts, prompt_tokens, ingested_at > $low AS new
         FROM requests
         WHERE ingested_at <= $high AND (
             ingested_at > $low
@@ -103,11 +103,11 @@ _FORM_USABLE_UPSERT = f"""
             ))
         )
     ), per_form AS (
-        SELECT r.engine_id, r.request_id, r.model, r.ts, r.prompt_tokens, r.new, l.form,
+        SELECT r.engine_id, r.run_id, r.request_id, r.model, r.ts, r.prompt_tokens, r.new, l.form,
                min(l.usable_tokens) AS usable_now,
                min(l.usable_tokens) FILTER (WHERE l.ingested_at <= $low) AS usable_before
         FROM touched AS r
-        JOIN cache_lookups AS l USING (engine_id, request_id)
+        JOIN cache_lookups AS l ON l.engine_id = r.engine_id AND l.request_id = r.request_id AND l.run_id IS NOT DISTINCT FROM r.run_id
         WHERE l.ingested_at <= $high
           AND l.ts >= (SELECT min(ts) FROM touched) - {LOOKUP_SLACK}
           AND l.ts BETWEEN r.ts - {LOOKUP_SLACK} AND r.ts + {LOOKUP_SLACK}

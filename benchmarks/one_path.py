@@ -9,8 +9,8 @@ through :func:`engine.trace.replay.replay`, served through the OpenAI server wit
 Measured per round, after the model is loaded (start-up is not counted on either side):
 
 - in process: this process's CPU seconds (user + system) across the replay;
-- main thread: the same with the replay's loop driven from the main thread instead of its
-  engine thread (for the record: the engine thread is there because of this figure);
+- main thread: the same with the engine built and its loop driven on the main thread (for the
+  record);
 - served: the server process's CPU seconds across the replay (``/proc/PID/stat``) plus this
   process's (the HTTP clients).
 
@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,9 +46,10 @@ import httpx
 from engine.cache import CacheConfig
 from engine.llm import LLM
 from engine.parallel.group import free_port
+from engine.runtime.engine_thread import EngineThread
 from engine.trace.formats import TraceRequest, load_trace
 from engine.trace.http_replay import replay_over_http
-from engine.trace.replay import ReplayConfig, _replay, replay
+from engine.trace.replay import ReplayConfig, ReplayTally, _replay, replay
 from kvscope.data import bundled_trace
 
 UNIT = 16
@@ -66,27 +68,35 @@ def process_cpu(pid: int) -> float:
 
 
 def in_process(model: str, requests: list[TraceRequest], config: ReplayConfig, *, main_thread: bool = False) -> dict[str, Any]:
-    """:func:`replay` (its engine thread), or with ``main_thread`` its loop driven from this
-    thread (what the engine thread is there to avoid)."""
-    llm = LLM(model, cache=CacheConfig(unit_tokens=UNIT, checkpoint_interval_tokens=8 * UNIT, max_prefill_chunk_tokens=32 * UNIT))
+    """:func:`replay` with the engine built and stepped on one engine thread (as ``kvscope up``
+    does), or with ``main_thread`` both on this thread."""
+    cache = CacheConfig(unit_tokens=UNIT, checkpoint_interval_tokens=8 * UNIT, max_prefill_chunk_tokens=32 * UNIT)
+    engine = None if main_thread else EngineThread("one-path-engine")
+    llm = LLM(model, cache=cache) if engine is None else engine.run(LLM, model, cache=cache)
     try:
         cpu, wall = own_cpu(), time.monotonic()
-        if main_thread:
-            tally = _replay(llm, requests, config, on_request=None, stop=None, sleep=time.sleep, clock=time.monotonic)
-        else:
-            tally = replay(llm, requests, config)
+        tally = replay(llm, requests, config, thread=engine) if engine is not None else _main_thread(llm, requests, config)
         cpu, wall = own_cpu() - cpu, time.monotonic() - wall
     finally:
-        llm.close()
+        if engine is not None:
+            engine.run(llm.close)
+            engine.close()
+        else:
+            llm.close()
     return {
         "cpu_seconds": round(cpu, 2), "wall_seconds": round(wall, 2), "requests": tally.requests,
         "prompt_tokens": tally.prompt_tokens, "cached_tokens": tally.recoverable_tokens,
     }  # fmt: skip
 
 
+def _main_thread(llm: LLM, requests: list[TraceRequest], config: ReplayConfig) -> ReplayTally:
+    return _replay(llm, requests, config, on_request=None, stop=threading.Event(), hard_stop=threading.Event(), sleep=time.sleep, clock=time.monotonic)
+
+
 def served(model: str, requests: list[TraceRequest], config: ReplayConfig, log_dir: Path) -> dict[str, Any]:
     port = free_port()
-    cmd = [sys.executable, "-m", "kvscope", "serve", "--model", model, "--port", str(port), "--unit-tokens", str(UNIT)]
+    cmd = [sys.executable, "-m", "kvscope", "serve", "--model", model, "--port", str(port), "--unit-tokens", str(UNIT),
+           "--max-num-seqs", str(config.max_num_seqs), "--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     log = (log_dir / f"serve-{port}.log").open("wb")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

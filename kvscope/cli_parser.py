@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("trace", type=Path, help="weka directory/.json, mooncake .jsonl, or SWE-agent .traj (with --server)")
     rep.add_argument("--agent", default=None, help="send events to this agent")
     rep.add_argument("--server", default=None, help="replay over HTTP against this kvscope serve URL, sessions concurrently (the server's engine and cache flags apply, not these)")
-    rep.add_argument("--max-sessions", type=positive_int, default=None, help="with --server: sessions in flight at once (default: all)")
+    rep.add_argument("--max-sessions", type=positive_int, default=None, help="with --server: requests out at once, first arrival first; None: --max-num-seqs (default: %(default)s)")
     add_replay_flags(rep)
 
     gen = sub.add_parser("generate", parents=[verbose], help="generate text")

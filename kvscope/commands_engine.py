@@ -165,6 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from engine.runtime import Runtime, SchedulerConfig
     from engine.runtime.engine_loop import EngineLoop
+    from engine.runtime.engine_thread import EngineThread
     from engine.runtime.server import create_app
     from engine.telemetry import TelemetryClient
     from kvscope.replaying import drain_earlier_spools
@@ -176,23 +177,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.agent and args.telemetry_spool_dir is not None:
             drain_earlier_spools(args.telemetry_spool_dir, args.agent, current_engine_id=engine_id)
             telemetry = TelemetryClient(args.agent, engine_id, spool_path=args.telemetry_spool_dir / f"{engine_id}.spool")
-        llm = LLM(
-            args.model, device=args.device, cache=cache_config(args), telemetry=telemetry, engine_id=engine_id, dtype=args.dtype,
+        cache = cache_config(args)
+    except ValueError as exc:
+        raise cache_error(exc) from None
+    engine = EngineThread()  # the model is built and stepped on one thread (engine_thread's docstring)
+    try:
+        llm = engine.run(
+            LLM, args.model, device=args.device, cache=cache, telemetry=telemetry, engine_id=engine_id, dtype=args.dtype,
             tensor_parallel_size=args.tensor_parallel_size, check_invariants=args.check_invariants,
         )  # fmt: skip
     except ValueError as exc:
+        engine.close()
         raise cache_error(exc) from None  # a cache setting is named by its flag
+    except BaseException:
+        engine.close()
+        raise
     try:
-        runtime = Runtime(llm, config, cuda_graphs=False if args.enforce_eager else None)
+        runtime = engine.run(Runtime, llm, config, cuda_graphs=False if args.enforce_eager else None)
     except ValueError as exc:
-        llm.close()
+        engine.run(llm.close)
+        engine.close()
         raise UserError(str(exc)) from None
     from engine.runtime import server_log
 
     logging.getLogger(server_log.__name__).setLevel(logging.INFO)  # banner, access log, stats line: shown without -v
     host = f"[{args.host}]" if ":" in args.host else args.host
     app = create_app(
-        EngineLoop(runtime), args.served_model_name or str(args.model), url=f"http://{host}:{args.port}/v1",
+        EngineLoop(runtime, engine), args.served_model_name or str(args.model), url=f"http://{host}:{args.port}/v1",
         access_log=args.access_log, stats_interval_seconds=args.stats_interval_seconds,
     )  # fmt: skip
     previous = _stop_signals_return()  # SIGTERM/SIGINT: uvicorn stops, then the engine closes below
@@ -200,6 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info" if getattr(args, "verbose", False) else "warning", access_log=False, timeout_graceful_shutdown=SERVE_STOP_GRACE_SECONDS)
     finally:
         llm.close()  # after uvicorn: the engine loop has stopped; then the ranks and the telemetry flush
+        engine.close(0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

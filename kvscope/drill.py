@@ -38,8 +38,8 @@ import alerts
 from agent.client import AgentClient, AgentError
 from engine.cache import CacheConfig
 from engine.llm import LLM
-from engine.runtime.engine_thread import EngineThread
 from engine.outputs import RequestOutput
+from engine.runtime.engine_thread import EngineThread
 from engine.trace.formats import TraceRequest
 from engine.trace.replay import ReplayConfig, replay
 from kvscope.replaying import PoolSqueeze

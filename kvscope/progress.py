@@ -11,6 +11,7 @@ request holds the engine, so a silent log means a stuck process — and once mor
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from types import TracebackType
 
 from apscheduler.schedulers.background import BackgroundScheduler
 from rich.console import Console
+
+logging.getLogger("apscheduler").setLevel(logging.WARNING)  # not a line per job run with -v: the progress line is the output
 
 INTERVAL_SECONDS = 10.0
 """Seconds between two progress lines."""
@@ -89,7 +92,7 @@ class ProgressLines:
     def __enter__(self) -> ProgressLines:
         self.started = self.clock()
         self._scheduler = BackgroundScheduler(daemon=True)
-        self._scheduler.add_job(self.print_line, "interval", seconds=self.interval_seconds, max_instances=1, coalesce=True)
+        self._scheduler.add_job(self.print_line, "interval", seconds=self.interval_seconds, max_instances=1, coalesce=True, misfire_grace_time=None)
         self._scheduler.start()
         return self
 

@@ -10,15 +10,18 @@ the caller's event loop through an ``asyncio.Queue`` (``call_soon_threadsafe``),
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.runtime.engine_thread import EngineThread
 from engine.runtime.request import RuntimeRequest
 from engine.runtime.runtime import Runtime
 from engine.sampling import SamplingParams
@@ -54,13 +57,17 @@ Update = Token | Finished | Failed
 
 
 class EngineLoop:
-    """Runs ``runtime`` on a daemon thread (:meth:`start` / :meth:`stop`)."""
+    """Runs ``runtime`` on an engine thread (:meth:`start` / :meth:`stop`): ``thread``, the
+    :class:`~engine.runtime.engine_thread.EngineThread` that built the engine (so torch keeps one
+    OpenMP team), or without one a daemon thread of its own."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, thread: EngineThread | None = None) -> None:
         self.runtime = runtime
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
+        self._own = thread is None
+        self._engine = thread
+        self._running: Future[None] | None = None
         self.error: BaseException | None = None
         """What stopped the engine thread, if it died."""
         self._streams: dict[str, Callable[[Update], None]] = {}
@@ -68,16 +75,21 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._running is not None and not self._running.done() and self.error is None
 
     def start(self) -> None:
-        self._thread.start()
+        if self._engine is None:
+            self._engine = EngineThread()
+        self._running = self._engine.submit(self._run)
 
     def stop(self, timeout_seconds: float = 30.0) -> None:
-        """Abort what is in flight and stop the thread."""
+        """Abort what is in flight and leave the engine thread (closing it when it is the loop's own)."""
         self._stopping.set()
         self._commands.put(lambda: None)
-        self._thread.join(timeout_seconds)
+        if self._running is not None:
+            concurrent.futures.wait([self._running], timeout_seconds)
+        if self._own and self._engine is not None:
+            self._engine.close(0)
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine thread between steps."""

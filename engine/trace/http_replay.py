@@ -2,9 +2,10 @@
 
 Every session of the trace (a weka conversation, each of its sub-agents, a Mooncake session) is
 its own client: its requests go out in order, each one no earlier than its scaled arrival time
-and not before the session's previous answer came back; sessions run concurrently (at most
-``max_sessions`` at a time when set). Arrival gaps are divided by ``speed`` and each gap is
-capped at ``max_wait_seconds``, as in the in-process replay (:mod:`engine.trace.replay`). Prompts
+and not before the session's previous answer came back, at most ``max_sessions`` (default: the
+config's ``max_num_seqs``) at once, first arrival first — the schedule of the in-process replay
+(:class:`~engine.trace.schedule.ArrivalSchedule`). Arrival gaps are divided by ``speed`` and
+each gap is capped at ``max_wait_seconds``. Prompts
 are the same token ids the in-process replay builds (``PromptBuilder``), sent as
 ``/v1/completions`` with ``stream`` on, so the time to the first streamed chunk is the request's
 TTFT as the client sees it; ``user`` carries the session, which the server's scheduler is fair
@@ -17,11 +18,11 @@ Agent conversations with their full text (SWE-agent trajectories) replay as chat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,36 +199,45 @@ async def replay_over_http(
     result = HttpReplayResult()
     if not todo:
         return result
-    offsets = compressed_offsets(todo, config.speed, config.max_wait_seconds)
-    sessions: dict[str, list[TraceRequest]] = defaultdict(list)
-    for r in sorted(todo, key=lambda r: r.arrival_seconds):
-        sessions[r.session_id].append(r)
+    schedule = ArrivalSchedule(todo, speed=config.speed, max_wait_seconds=config.max_wait_seconds, limit=max_sessions or config.max_num_seqs)
+    sessions = {r.session_id for r in todo}
     result.sessions = len(sessions)
     limits = httpx.Limits(max_connections=max(len(sessions), 1), max_keepalive_connections=max(len(sessions), 1))
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_seconds, limits=limits) as client:
         card = await model_card(client)
         block_tokens = config.block_tokens or max(1, todo[0].block_tokens // DEFAULT_SCALE)
         builder = PromptBuilder(block_tokens, int(card["vocab_size"]), config.seed)
-        gate = asyncio.Semaphore(max_sessions or len(sessions))
         start = time.monotonic()
+        wake = asyncio.Event()
 
         async def one(req: TraceRequest) -> None:
-            body = {
-                "model": card["id"], "prompt": builder.prompt(req), "max_tokens": builder.output_tokens(req, config.max_output_tokens),
-                "temperature": 0, "user": req.session_id,
-            }  # fmt: skip
-            usage = await streamed(client, "/v1/completions", body, req.request_id, result)
-            if on_request is not None:
-                on_request(req, usage)
+            try:
+                body = {
+                    "model": card["id"], "prompt": builder.prompt(req), "max_tokens": builder.output_tokens(req, config.max_output_tokens),
+                    "temperature": 0, "user": req.session_id,
+                }  # fmt: skip
+                usage = await streamed(client, "/v1/completions", body, req.request_id, result)
+                if on_request is not None:
+                    on_request(req, usage)
+            finally:
+                schedule.ended(req)
+                wake.set()
 
-        async def session(reqs: list[TraceRequest]) -> None:
-            async with gate:
-                for req in reqs:
-                    delay = start + offsets[req.request_id] - time.monotonic()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    await one(req)
-
-        await asyncio.gather(*(session(reqs) for reqs in sessions.values()))
+        out: set[asyncio.Task[None]] = set()
+        try:
+            while not schedule.finished():
+                wake.clear()
+                for req in schedule.take_due(time.monotonic() - start):
+                    out.add(asyncio.create_task(one(req), name=req.request_id))
+                due = schedule.next_due()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), None if due is None else max(0.0, start + due - time.monotonic()))
+                for task in [t for t in out if t.done()]:
+                    out.discard(task)
+                    task.result()  # a ServerError ends the replay
+        finally:
+            for task in out:
+                task.cancel()
+            await asyncio.gather(*out, return_exceptions=True)
         result.wall_seconds = time.monotonic() - start
     return result

@@ -23,8 +23,8 @@ from functools import partial
 
 from engine.events import Outcome
 from engine.llm import LLM
-from engine.request_lifecycle import RequestTooLarge
 from engine.outputs import RequestOutput
+from engine.request_lifecycle import RequestTooLarge
 from engine.runtime import Runtime, RuntimeRequest, SchedulerConfig
 from engine.runtime.engine_thread import EngineThread
 from engine.sampling import SamplingParams
@@ -175,7 +175,7 @@ def replay(
     """
     stop = stop if stop is not None else threading.Event()
     hard_stop = threading.Event()
-    wait = sleep if sleep is not None else stop.wait
+    wait: Callable[[float], object] = sleep if sleep is not None else stop.wait
     own = thread is None
     engine = thread if thread is not None else EngineThread("kvscope-replay-engine")
     try:
@@ -206,7 +206,7 @@ def replay(
 
 def _replay(
     llm: LLM, requests: Sequence[TraceRequest], config: ReplayConfig, *, on_request: ProgressCallback | None,
-    stop: threading.Event, hard_stop: threading.Event, sleep: Callable[[float], None], clock: Callable[[], float],
+    stop: threading.Event, hard_stop: threading.Event, sleep: Callable[[float], object], clock: Callable[[], float],
 ) -> ReplayTally:  # fmt: skip
     """:func:`replay`'s loop, on the engine thread."""
     todo = list(requests[: config.max_requests] if config.max_requests else requests)

@@ -232,7 +232,7 @@ def test_thirty_two_weka_sessions_replayed_through_the_server(tmp_path: Path) ->
         return Runtime.step(runtime)
 
     runtime.step = step  # type: ignore[method-assign]
-    config = ReplayConfig(block_tokens=1, speed=1e6, max_wait_seconds=0.0, max_output_tokens=4)
+    config = ReplayConfig(block_tokens=1, speed=1e6, max_wait_seconds=0.0, max_output_tokens=4, max_num_seqs=32)  # every session out at once
     with serve(llm, runtime, sink) as s:
         result = asyncio.run(replay_over_http(s.url, chosen, config))
     assert result.requests == 64 and result.skipped == 0 and result.sessions == 32
