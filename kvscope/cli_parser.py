@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --agent: keep every event batch in a spool file here until the agent has checkpointed it "
         "(survives an agent outage or a damaged agent WAL; spools earlier runs left here are sent first) (default: no spool)",
     )
-    srv.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (default: %(default)s)")
-    srv.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens computed per engine step (default: %(default)s)")
+    srv.add_argument("--max-num-seqs", type=positive_int, default=32, help="requests running at once (default: %(default)s)")
+    srv.add_argument("--max-num-batched-tokens", type=positive_int, default=256, help="tokens computed per engine step (default: %(default)s)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     srv.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs (default: captured on CUDA when the model allows)")
     srv.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="ranks the model is sharded over, one process each (CPU: gloo) (default: %(default)s)")

@@ -7,6 +7,7 @@ from engine import LLM, CacheConfig
 from engine.trace.formats import TraceRequest
 from engine.trace.replay import ReplayConfig, replay
 from engine.trace.schedule import compressed_offsets
+from tests.helpers import assert_no_leases
 
 
 def request(rid: str, session: str, t: float, ids: tuple[int, ...]) -> TraceRequest:
@@ -76,3 +77,27 @@ def test_stop_lets_running_requests_finish_and_starts_no_more() -> None:
     stop2 = threading.Event()
     stop2.set()
     assert replay(llm, reqs + reqs2, ReplayConfig(speed=1e9, max_output_tokens=2), stop=stop2).requests == 0
+
+
+def test_a_stop_drops_the_requests_not_yet_out() -> None:
+    import threading
+
+    reqs = [request(f"r{i}", f"s{i}", 0.0, (10 * i + 1, 10 * i + 2)) for i in range(6)]
+    stop = threading.Event()
+    llm = LLM(cache=CacheConfig())
+    config = ReplayConfig(speed=1e9, max_output_tokens=2, max_num_seqs=2)  # two out at once, four waiting their turn
+    tally = replay(llm, reqs, config, on_request=lambda *_: stop.set(), stop=stop)
+    assert tally.requests == 2 and tally.skipped_requests == 0  # the two out finished; the rest never went out
+    assert_no_leases(llm)
+
+
+def test_a_skipped_request_does_not_end_its_session() -> None:
+    huge = request("a1", "a", 0.0, tuple(range(1000, 9300)))  # 8,300 blocks of 4 tokens: past max_model_len 32,768
+    reqs = [huge, request("a2", "a", 0.1, (1, 2, 3))]
+    ended: list[tuple[str, bool]] = []
+    tally = replay(
+        LLM(cache=CacheConfig()), reqs, ReplayConfig(speed=1e9, max_output_tokens=2),
+        on_request=lambda done, total, r, out: ended.append((r.request_id, out is not None)),
+    )  # fmt: skip
+    assert ended == [("a1", False), ("a2", True)]
+    assert tally.skipped_requests == 1 and tally.requests == 1
