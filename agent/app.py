@@ -150,6 +150,7 @@ def create_app(
             full_policy=cast(FullPolicy, config.ingest_full_policy),
             block_timeout_seconds=config.ingest_block_timeout_seconds,
             flush_max_events=config.flush_max_events,
+            flush_wait_seconds=config.flush_wait_seconds,
             on_committed=durability.record if durability is not None else None,
         )
 

@@ -1,9 +1,10 @@
-"""What one stored batch adds to the event metrics (:class:`BatchSummary`).
+"""What stored rows add to the event metrics (:class:`BatchSummary`).
 
-:func:`summarize_tables` runs where the batch is decoded (a decode worker process or thread,
-:mod:`agent.decode`), so the agent's main process only adds numbers
-(:meth:`agent.metrics.AgentMetrics.observe_ingest`). Labels here are the raw event values; the
-label cap (:mod:`agent.label_cap`) folds them when they are added.
+:func:`summarize_tables` runs once per flush of the ingest pipeline, over all the rows that flush
+stored (:mod:`agent.pipeline`), after its commit and before any of its batches is answered; the
+metrics then only add the groups' numbers (:meth:`agent.metrics.AgentMetrics.observe_summary`).
+Labels here are the raw event values; the label cap (:mod:`agent.label_cap`) folds them when
+they are added.
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from agent.bulk_histogram import bucket_counts
 from agent.ingest import RECOVERING_OUTCOMES, RECOVERY_BUCKETS
 from agent.sync_delay_metrics import SYNC_DELAY_SECONDS_BUCKETS, SYNC_DELAY_TOKEN_BUCKETS
 from engine.events import Form, Outcome, Reason
@@ -56,75 +55,105 @@ class BatchSummary:
 
 
 _REQUEST_SUMS = ("prompt_tokens", "hash_hit_tokens", "recoverable_tokens", "replayed_tokens", "recomputed_tokens")
+_LOOKUP_KEYS = ("engine_id", "model", "form", "tier", "outcome", "reason", "tp_rank", "layer_group")
+_LOOKUP_SUMS = ("hash_hit_tokens", "usable_tokens", "recoverable_tokens", "recovery_seconds", "indexer_sync_delay_tokens", "indexer_sync_delay_seconds")
+_RECOVERING = frozenset(RECOVERING_OUTCOMES)
+
+
+def _bucket(table: pa.Table, column: str, bounds: Sequence[float]) -> np.ndarray:
+    """Each row's histogram bucket for ``column`` (the index of the first upper bound ≥ the
+    value, as Prometheus's ``le``; ``len(bounds)``: ``+Inf``)."""
+    values = table[column].to_numpy().astype(np.float64, copy=False)
+    return np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left").astype(np.int8)
+
+
+def _grouped(table: pa.Table, keys: Sequence[str], sums: Sequence[str]) -> tuple[list[list[object]], ...]:
+    """One ``group_by`` over ``keys`` with ``count_all`` and the ``sums``: the result's columns
+    as Python lists (keys, then the count, then the sums)."""
+    aggregations: list[tuple[object, str]] = [([], "count_all"), *((name, "sum") for name in sums)]
+    grouped = table.group_by(list(keys), use_threads=False).aggregate(aggregations)
+    names = [*keys, "count_all", *(f"{name}_sum" for name in sums)]
+    return tuple(grouped[name].to_pylist() for name in names)
+
+
+def _add_histogram(into: dict[Labels, tuple[list[int], float]], labels: Labels, buckets: int, bucket: int, count: int, total: float) -> None:
+    counts, previous = into.get(labels) or ([0] * buckets, 0.0)
+    counts[bucket] += count
+    into[labels] = (counts, previous + total)
 
 
 def summarize_tables(tables: Mapping[str, pa.Table]) -> BatchSummary:
-    """The :class:`BatchSummary` of one batch's prepared tables (table name → rows)."""
+    """The :class:`BatchSummary` of stored rows (table name → rows; one batch or a whole
+    flush): per table **one** grouped aggregation (``pyarrow`` ``group_by`` over every label
+    column and each row's histogram bucket), then the few resulting groups are folded into the
+    metric families in Python — nothing per event."""
     summary = BatchSummary()
+    # Both ingest paths give enum columns the enum's own dictionary; unify anyway, so a table
+    # built elsewhere (other dictionaries per chunk) cannot fail the grouping.
+    tables = {name: table.unify_dictionaries() for name, table in tables.items()}
     lookups = tables.get("cache_lookups")
-    if lookups is not None:
-        keys = ["engine_id", "model", "form", "tier", "outcome"]
-        aggregations = [
-            ([], "count_all"),
-            ("hash_hit_tokens", "sum"),
-            ("usable_tokens", "sum"),
-            ("recoverable_tokens", "sum"),
-        ]
-        for row in lookups.group_by(keys, use_threads=False).aggregate(aggregations).to_pylist():
-            summary.lookups.append(
-                (
-                    tuple(row[k] for k in keys),
-                    row["count_all"],
-                    row["hash_hit_tokens_sum"],
-                    row["usable_tokens_sum"],
-                    row["recoverable_tokens_sum"],
-                )
-            )
-        invalidated = lookups.filter(pc.equal(lookups["outcome"], Outcome.INVALIDATED.value))
-        keys = ["engine_id", "model", "form", "reason"]
-        for row in invalidated.group_by(keys, use_threads=False).aggregate([([], "count_all")]).to_pylist():
-            summary.invalidations.append((tuple(row[k] for k in keys), row["count_all"]))
-        disagreeing = lookups.filter(pc.equal(lookups["reason"], Reason.TP_DISAGREE.value))
-        keys = ["engine_id", "model", "form", "tp_rank"]
-        for row in disagreeing.group_by(keys, use_threads=False).aggregate([([], "count_all")]).to_pylist():
-            summary.disagreements.append((tuple(str(row[k]) for k in keys), row["count_all"]))
-        recovering = lookups.filter(pc.is_in(lookups["outcome"], pa.array(RECOVERING_OUTCOMES)))
-        summary.recovery.extend(
-            _histogram_groups(recovering, ("engine_id", "model", "form", "tier"), "recovery_seconds", RECOVERY_BUCKETS)
-        )
-        indexed = lookups.filter(pc.equal(lookups["form"], Form.INDEXER_STATE.value))
-        keys = ["engine_id", "model", "layer_group"]
-        summary.sync_delay_tokens.extend(_histogram_groups(indexed, keys, "indexer_sync_delay_tokens", SYNC_DELAY_TOKEN_BUCKETS))
-        summary.sync_delay_seconds.extend(_histogram_groups(indexed, keys, "indexer_sync_delay_seconds", SYNC_DELAY_SECONDS_BUCKETS))
+    if lookups is not None and lookups.num_rows:
+        _summarize_lookups(lookups, summary)
     requests = tables.get("requests")
-    if requests is not None:
-        aggregations = [([], "count_all"), *((name, "sum") for name in _REQUEST_SUMS)]
-        grouped = requests.group_by(["engine_id", "model"], use_threads=False).aggregate(aggregations)
-        for row in grouped.to_pylist():
-            summary.requests.append(
-                (
-                    (row["engine_id"], row["model"]),
-                    row["count_all"],
-                    *(row[f"{name}_sum"] for name in _REQUEST_SUMS),
-                )
-            )
-        summary.ttft.extend(_histogram_groups(requests, ("engine_id", "model"), "ttft_seconds", TTFT_BUCKETS))
-    stamps = [t["ts"].cast(pa.int64()).to_numpy() for t in tables.values()]
+    if requests is not None and requests.num_rows:
+        with_bucket = requests.append_column("ttft_bucket", pa.array(_bucket(requests, "ttft_seconds", TTFT_BUCKETS)))
+        keys, sums = ("engine_id", "model", "ttft_bucket"), _REQUEST_SUMS
+        columns = _grouped(with_bucket, keys, (*sums, "ttft_seconds"))
+        per_request: dict[Labels, list[int]] = {}
+        ttft: dict[Labels, tuple[list[int], float]] = {}
+        for engine, model, bucket, n, *values in zip(*columns, strict=True):
+            labels = (engine, model)
+            acc = per_request.setdefault(labels, [0] * (1 + len(sums)))
+            acc[0] += n
+            for i, value in enumerate(values[: len(sums)]):
+                acc[1 + i] += value
+            _add_histogram(ttft, labels, len(TTFT_BUCKETS) + 1, bucket, n, values[-1])
+        summary.requests.extend((labels, *acc) for labels, acc in per_request.items())  # type: ignore[misc]
+        summary.ttft.extend((labels, counts, total) for labels, (counts, total) in ttft.items())
+    stamps = [t["ts"].cast(pa.int64()).to_numpy() for t in tables.values() if t.num_rows]
     if stamps:
         object.__setattr__(summary, "ts_micros", np.concatenate(stamps))
     return summary
 
 
-def _histogram_groups(
-    table: pa.Table, label_columns: Sequence[str], value_column: str, bounds: Sequence[float]
-) -> list[tuple[Labels, list[int], float]]:
-    if table.num_rows == 0:
-        return []
-    grouped = table.group_by(list(label_columns), use_threads=False).aggregate([(value_column, "list")])
-    values = grouped[f"{value_column}_list"]
-    labels = [grouped[c].to_pylist() for c in label_columns]
-    out: list[tuple[Labels, list[int], float]] = []
-    for i in range(grouped.num_rows):
-        array = np.asarray(values[i].values.to_numpy(zero_copy_only=False), dtype=np.float64)
-        out.append((tuple(str(column[i]) for column in labels), bucket_counts(bounds, array), float(array.sum())))
-    return out
+def _summarize_lookups(lookups: pa.Table, summary: BatchSummary) -> None:
+    buckets = {
+        "recovery_bucket": ("recovery_seconds", RECOVERY_BUCKETS),
+        "tokens_bucket": ("indexer_sync_delay_tokens", SYNC_DELAY_TOKEN_BUCKETS),
+        "seconds_bucket": ("indexer_sync_delay_seconds", SYNC_DELAY_SECONDS_BUCKETS),
+    }
+    table = lookups.select([*_LOOKUP_KEYS, *_LOOKUP_SUMS])
+    for name, (column, bounds) in buckets.items():
+        table = table.append_column(name, pa.array(_bucket(lookups, column, bounds)))
+    columns = _grouped(table, (*_LOOKUP_KEYS, *buckets), _LOOKUP_SUMS)
+    per_lookup: dict[Labels, list[int]] = {}
+    invalidations: dict[Labels, int] = {}
+    disagreements: dict[Labels, int] = {}
+    recovery: dict[Labels, tuple[list[int], float]] = {}
+    sync_tokens: dict[Labels, tuple[list[int], float]] = {}
+    sync_seconds: dict[Labels, tuple[list[int], float]] = {}
+    for row in zip(*columns, strict=True):
+        engine, model, form, tier, outcome, reason, tp_rank, layer_group, rb, tb, sb, n, hit, usable, recoverable, seconds, delay_tokens, delay_seconds = row
+        acc = per_lookup.setdefault((engine, model, form, tier, outcome), [0, 0, 0, 0])
+        acc[0] += n
+        acc[1] += hit
+        acc[2] += usable
+        acc[3] += recoverable
+        if outcome == Outcome.INVALIDATED.value:
+            key = (engine, model, form, reason)
+            invalidations[key] = invalidations.get(key, 0) + n
+        if reason == Reason.TP_DISAGREE.value:
+            key = (engine, model, form, str(tp_rank))
+            disagreements[key] = disagreements.get(key, 0) + n
+        if outcome in _RECOVERING:
+            _add_histogram(recovery, (engine, model, form, tier), len(RECOVERY_BUCKETS) + 1, rb, n, seconds)
+        if form == Form.INDEXER_STATE.value:
+            labels = (engine, model, str(layer_group))
+            _add_histogram(sync_tokens, labels, len(SYNC_DELAY_TOKEN_BUCKETS) + 1, tb, n, float(delay_tokens))
+            _add_histogram(sync_seconds, labels, len(SYNC_DELAY_SECONDS_BUCKETS) + 1, sb, n, delay_seconds)
+    summary.lookups.extend((labels, *acc) for labels, acc in per_lookup.items())  # type: ignore[misc]
+    summary.invalidations.extend(invalidations.items())
+    summary.disagreements.extend(disagreements.items())
+    summary.recovery.extend((labels, counts, total) for labels, (counts, total) in recovery.items())
+    summary.sync_delay_tokens.extend((labels, counts, total) for labels, (counts, total) in sync_tokens.items())
+    summary.sync_delay_seconds.extend((labels, counts, total) for labels, (counts, total) in sync_seconds.items())

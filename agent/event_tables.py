@@ -1,6 +1,7 @@
 """How events become rows: one Arrow table per event kind, typed like the store's tables (the
-types read off the annotations of ``engine.events``; a ``tuple[Form, ...]`` field is a
-``VARCHAR[]`` list column), and the outcome sets the recovery-latency buckets count. :mod:`agent.ingest` builds and writes batches with them."""
+types read off the annotations of ``engine.events``; an enum is a dictionary-encoded string
+column, :data:`engine.events_arrow.ENUM_TYPE`, as on the Arrow wire; a ``tuple[Form, ...]``
+field is a ``VARCHAR[]`` list column), and the outcome sets the recovery-latency buckets count. :mod:`agent.ingest` builds and writes batches with them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import pyarrow as pa
 
 from agent.migrations import RECOVERY_BUCKETS_V3
 from engine.events import BlockEvent, CacheLookup, EngineStats, Event, EventBatch, RequestEvent
+from engine.events_arrow import ENUM_TYPE, WIRE_COLUMNS
+from engine.events_arrow_encode import enum_array
 
 _TS = pa.timestamp("us")
 
@@ -63,7 +66,7 @@ def _arrow_type(name: str, hint: object) -> pa.DataType:
         return pa.bool_()
     items = typing.get_args(base) if typing.get_origin(base) is tuple else ()
     if len(items) == 2 and items[1] is Ellipsis:  # ``tuple[Form, ...]``: a list column
-        return pa.list_(_arrow_type(name, items[0]))
+        return pa.list_(pa.string())
     nullable = typing.get_args(base) if typing.get_origin(base) in (typing.Union, types.UnionType) else ()
     if len(nullable) == 2 and type(None) in nullable:  # ``Annotated[int, ...] | None``: the column is nullable
         inner = next(o for o in nullable if o is not type(None))
@@ -75,7 +78,9 @@ def _arrow_type(name: str, hint: object) -> pa.DataType:
     if base is float:
         return pa.float64()
     options = typing.get_args(base) if isinstance(base, types.UnionType) else (base,)
-    if all(o is str or o is type(None) or (isinstance(o, type) and issubclass(o, enum.StrEnum)) for o in options):
+    if any(isinstance(o, type) and issubclass(o, enum.StrEnum) for o in options):
+        return ENUM_TYPE  # dictionary-encoded: what the Arrow wire carries, and DuckDB inserts it faster
+    if all(o is str or o is type(None) for o in options):
         return pa.string()
     raise TypeError(f"event field {name}: no column type for {hint!r}")
 
@@ -119,12 +124,15 @@ def build_tables(batch: EventBatch, *, ingested_at: datetime | None = None) -> d
     for cls, items in grouped.items():
         spec = TABLE_SPECS[cls]
         columns = _spec_columns(spec)
+        enums = {c.name: c.enum_values for c in WIRE_COLUMNS[spec.kind] if c.enum_values is not None and c.type == ENUM_TYPE}
         arrays = []
         for name, dtype in columns:
             column = list(map(operator.attrgetter(name), items))
             if name == "ts":
                 micros = np.rint(np.asarray(column, dtype=np.float64) * 1e6).astype(np.int64)
                 arrays.append(pa.array(micros).cast(dtype))
+            elif name in enums:
+                arrays.append(enum_array(column, enums[name]))
             else:
                 arrays.append(pa.array(column, dtype))
         arrays.extend(pa.array([getattr(batch, name)] * len(items), dtype) for name, dtype in BATCH_COLUMNS)

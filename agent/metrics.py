@@ -6,7 +6,8 @@ process-global one), so two agents — or two tests — in one process never sha
 Naming: prefix ``kvscope_``, base units, ``_total`` on counters, no ``_created`` series. Labels come only from
 {engine, model, form, tier, outcome, reason, tp_rank} plus ``status``/``kind`` on the ingest counters
 and ``label`` on the folded-values counter; never request ids. Counters are cumulative since the agent started; consumers compute rates.
-They are incremented only after a batch's transaction committed (:meth:`observe_ingest`), so a
+They are incremented only after a batch's transaction committed (:meth:`observe_ingest`, and
+:meth:`observe_summary` once per flush), so a
 rejected or rolled-back batch never moves an event counter.
 
 ``kvscope_invalidations_total`` counts lookups whose outcome is ``invalidated`` (present by hash,
@@ -46,9 +47,8 @@ while no store is open): :mod:`agent.process_metrics`.
 :meth:`AgentMetrics.exposition` renders everything; ``GET /metrics`` calls it in a worker thread,
 so a slow scrape never holds the event loop (ingest, ``/healthz``).
 
-Split out: :class:`BulkHistogram` and :func:`bucket_counts` (:mod:`agent.bulk_histogram`),
-:class:`BatchSummary` and :func:`summarize_tables` (:mod:`agent.batch_summary`), importable from
-here as before; the indexer sync-delay histograms (:mod:`agent.sync_delay_metrics`).
+Split out: :mod:`agent.bulk_histogram`, :mod:`agent.batch_summary` (importable from here as
+before), :mod:`agent.sync_delay_metrics`, :mod:`agent.ingest_stages` (``kvscope_ingest_stage_seconds_total``).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from prometheus_client.metrics import disable_created_metrics
 from agent.batch_summary import TTFT_BUCKETS, BatchSummary, Labels, summarize_tables
 from agent.bulk_histogram import BulkHistogram, bucket_counts
 from agent.ingest import RECOVERY_BUCKETS, IngestOutcome
+from agent.ingest_stages import IngestStages
 from agent.label_cap import DEFAULT_IDLE_SECONDS, DEFAULT_MAX_VALUES, LabelCap, SeriesFolder
 from agent.process_metrics import SourcedGauge, register_process_collector
 from agent.run_info import EngineRunInfo
@@ -85,15 +86,7 @@ __all__ = [
 
 LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 """Upper bounds (seconds) of ``kvscope_ingest_lag_seconds``."""
-REJECT_REASONS = (
-    "invalid",
-    "too_large",
-    "content_type",
-    "seq_conflict",
-    "queue_full",
-    "store_error",
-    "decode_error",
-)
+REJECT_REASONS = ("invalid", "too_large", "content_type", "seq_conflict", "queue_full", "store_error", "decode_error")
 """Label values of ``kvscope_ingest_rejected_batches_total``."""
 CAPPED_LABELS = ("engine", "model")
 """The free-form labels (values from the events) whose distinct values :class:`LabelCap` bounds."""
@@ -216,6 +209,7 @@ class AgentMetrics:
             ("status",),
             registry=r,
         )
+        self.stages = IngestStages(r)
         self.ingest_events = Counter(
             "kvscope_ingest_events_total",
             "Events stored, by kind (duplicates and rejected batches excluded).",
@@ -330,21 +324,24 @@ class AgentMetrics:
         :func:`agent.process_metrics.duckdb_memory_bytes`)."""
         self.duckdb_memory.set_source(memory_bytes)
 
-    def observe_ingest(self, outcome: IngestOutcome, summary: BatchSummary) -> None:
-        """Count one committed batch: its status, and for a stored batch every event counter
-        and histogram from its ``summary``; the ingest-lag histogram uses
-        ``outcome.committed_at``. (Seq gaps are counted by the flusher.) Engine and model pass
-        through the label cap; rows that fold onto one series are summed first, so the work per
-        batch is one counter update per series, not per distinct value."""
+    def observe_ingest(self, outcome: IngestOutcome) -> None:
+        """Count one committed batch: its status and, when stored, its events per kind. (Its
+        events' counters and histograms come with its flush's :meth:`observe_summary`; seq gaps
+        are counted by the flusher.)"""
         if outcome.status == "conflict":
             self.ingest_batches.labels(status="rejected").inc()
             self.rejected_batches.labels(reason="seq_conflict").inc()
             return
         self.ingest_batches.labels(status=outcome.status).inc()
-        if outcome.status != "stored":
-            return
-        for kind, n in outcome.events_by_kind.items():
-            self.ingest_events.labels(kind=kind).inc(n)
+        if outcome.status == "stored":
+            for kind, n in outcome.events_by_kind.items():
+                self.ingest_events.labels(kind=kind).inc(n)
+
+    def observe_summary(self, summary: BatchSummary, committed_at: float) -> None:
+        """Add what one flush stored (:func:`~agent.batch_summary.summarize_tables` of its rows):
+        every event counter and histogram; the ingest-lag histogram uses ``committed_at`` (unix
+        seconds). Engine and model pass through the label cap; rows that fold onto one series
+        are summed first, so the work is one counter update per series, not per event."""
         fold = SeriesFolder(self.label_cap, CAPPED_LABELS)
         lookup_counters = (
             self.cache_lookups,
@@ -375,8 +372,8 @@ class AgentMetrics:
                 counter.labels(*labels).inc(value)
         for labels, (counts, total) in fold.histograms(summary.ttft).items():
             self.request_ttft_seconds.add_counts(labels, counts, total)
-        if outcome.committed_at and summary.ts_micros.size:
-            lag = np.maximum(outcome.committed_at - summary.ts_micros / 1e6, 0.0)
+        if committed_at and summary.ts_micros.size:
+            lag = np.maximum(committed_at - summary.ts_micros / 1e6, 0.0)
             self.ingest_lag_seconds.observe_many((), lag)
 
     def set_recoverable_hit_ratios(self, sums: Mapping[SeriesKey, HitSums]) -> None:

@@ -17,9 +17,13 @@ Contract:
   and writes it with :func:`agent.ingest.write_batches` in one transaction, stamping
   ``ingested_at`` in strictly increasing order (what :func:`agent.rollups.fold_cache_minute`
   relies on). If that group fails, each of its batches is retried alone, so one failing batch
-  never fails the others. The flusher does only database work; event metrics are counted by the
-  request that receives the outcome (:meth:`agent.metrics.AgentMetrics.observe_ingest`), so they
-  are up to date when its answer is sent.
+  never fails the others. The rows a flush stores are summarised in one grouped aggregation
+  (:func:`agent.batch_summary.summarize_tables`) on a summary thread while DuckDB inserts and
+  commits them; after the commit, and before any of its batches is answered, the flusher adds
+  that summary to the event metrics
+  (:meth:`agent.metrics.AgentMetrics.observe_summary`), so they are up to date when an answer
+  is sent; the request that receives an outcome counts its status
+  (:meth:`~agent.metrics.AgentMetrics.observe_ingest`).
 * :meth:`Ingestor.close` stops accepting, flushes what is queued and joins the thread.
 
 Peers: the OpenTelemetry Collector's ``batch`` processor and Vector's buffers (bounded, with a
@@ -29,19 +33,23 @@ sender keeps the batch.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
 import duckdb
+import pyarrow as pa
 
-from agent.ingest import IngestOutcome, PreparedBatch, latest_ingested_at, write_batches
+from agent.batch_summary import BatchSummary, summarize_tables
+from agent.ingest import IngestOutcome, PreparedBatch, latest_ingested_at, write_flush
 from agent.metrics import AgentMetrics
 from agent.seq_tracker import SeqTracker
 from agent.store import Store, StoreClosedError, utc_now
@@ -95,6 +103,9 @@ class Ingestor:
         full_policy: ``reject`` or ``block`` (see the module docstring).
         block_timeout_seconds: how long ``block`` waits for room.
         flush_max_events: events one transaction takes at most (≥ 1).
+        flush_wait_seconds: how long a flush waits for batches still being decoded
+            (:meth:`incoming`) to join it — group commit, as PostgreSQL's ``commit_delay`` with
+            ``commit_siblings``: it never waits when none is on its way.
         on_committed: called with a flush's outcomes after its commit and before any of its
             answers is sent (the acknowledgement log of :mod:`agent.durability`); when it raises,
             the flush's batches are answered 503 (they are committed: a re-send is a duplicate).
@@ -113,6 +124,7 @@ class Ingestor:
         full_policy: FullPolicy = "reject",
         block_timeout_seconds: float = 5.0,
         flush_max_events: int = 50_000,
+        flush_wait_seconds: float = 0.0,
         on_committed: Callable[[Sequence[IngestOutcome]], None] | None = None,
     ) -> None:
         if max_queue_events < 1 or flush_max_events < 1:
@@ -125,6 +137,8 @@ class Ingestor:
         self.full_policy: FullPolicy = full_policy
         self.block_timeout_seconds = block_timeout_seconds
         self.flush_max_events = flush_max_events
+        self.flush_wait_seconds = flush_wait_seconds
+        self._incoming = 0
         self.on_committed = on_committed
         self.tracker = SeqTracker.load(store)
         self._last_stamp: datetime | None = latest_ingested_at(store)
@@ -135,6 +149,7 @@ class Ingestor:
         self._flushing = 0
         metrics.set_ingest_queue_source(lambda: self._queued_events + self._flushing)
         metrics.set_missing_batches_source(self.tracker.missing)
+        self._summary_thread = ThreadPoolExecutor(1, thread_name_prefix="kvscope-ingest-summary")
         self._thread = threading.Thread(target=self._run, name="kvscope-ingest", daemon=True)
         self._thread.start()
 
@@ -170,12 +185,27 @@ class Ingestor:
             self._cond.notify_all()
         return future
 
+    @contextmanager
+    def incoming(self) -> Iterator[None]:
+        """Mark one batch as on its way (received, being decoded) for the block: a flush starting
+        meanwhile waits up to ``flush_wait_seconds`` for it (:meth:`submit` or the block's end
+        releases the wait)."""
+        with self._cond:
+            self._incoming += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._incoming -= 1
+                self._cond.notify_all()
+
     def close(self, timeout_seconds: float | None = 30.0) -> None:
         """Take no more batches, flush the queued ones, stop the thread. Idempotent."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout_seconds)
+        self._summary_thread.shutdown(wait=not self._thread.is_alive())
 
     # -- flusher thread ----------------------------------------------------------------------------
     def _stamp(self) -> datetime:
@@ -192,6 +222,12 @@ class Ingestor:
                 if self._closed:
                     return None
                 self._cond.wait()
+            deadline = time.monotonic() + self.flush_wait_seconds
+            while self._incoming and self._queued_events < self.flush_max_events and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
             items: list[_Item] = []
             events = 0
             while self._queue and (not items or events + self._queue[0].batch.events <= self.flush_max_events):
@@ -218,13 +254,36 @@ class Ingestor:
                 with self._cond:
                     self._flushing = 0
 
+    def _start_summary(self, pending: list[Future[BatchSummary]], tables: dict[str, pa.Table]) -> None:
+        pending.append(self._summary_thread.submit(summarize_tables, tables))
+
+    def _summarise(self, pending: list[Future[BatchSummary]], outcomes: Sequence[IngestOutcome]) -> None:
+        """Add the flush's summary (computed on the summary thread while DuckDB inserted and
+        committed the rows) to the event metrics; a failure here is logged, never turned into a
+        refusal of batches already committed."""
+        if not pending:
+            return
+        started = time.perf_counter()
+        try:
+            self.metrics.observe_summary(pending[0].result(), outcomes[0].committed_at)
+        except Exception:
+            log.exception("summarising a flush of %d batches for the metrics failed", len(outcomes))
+        self.metrics.stages.add("summary", time.perf_counter() - started)
+
     def _flush(self, items: list[_Item]) -> None:
         groups = [items]
         while groups:
             group = groups.pop(0)
             at = self._stamp()
             try:
-                outcomes = write_batches(self.store, self.tracker, [i.batch for i in group], ingested_at=at)
+                pending: list[Future[BatchSummary]] = []
+                flush = write_flush(
+                    self.store,
+                    self.tracker,
+                    [i.batch for i in group],
+                    ingested_at=at,
+                    on_tables=functools.partial(self._start_summary, pending),
+                )
             except Exception as exc:
                 if len(group) > 1:
                     log.warning("a flush of %d batches failed (%s); writing them one by one", len(group), exc)
@@ -234,6 +293,11 @@ class Ingestor:
                 self.metrics.observe_rejected("store_error")
                 _settle(group[0].future, error=exc if isinstance(exc, duckdb.Error | StoreClosedError) else StoreWriteError(str(exc)))
                 continue
+            outcomes = flush.outcomes
+            self.metrics.stages.add("insert", flush.insert_seconds)
+            self.metrics.stages.add("commit", flush.commit_seconds)
+            self.metrics.stages.flush_batches.observe(len(group))
+            self._summarise(pending, outcomes)
             if self.on_committed is not None:
                 try:
                     self.on_committed(outcomes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
 import duckdb
@@ -17,15 +18,17 @@ from starlette.concurrency import run_in_threadpool
 
 from agent.api_common import ApiError, error_response, read_body, retry_later
 from agent.config import AgentConfig
-from agent.decode import BatchDecoder, Invalid
+from agent.decode import BatchDecoder, Decoded, Invalid
 from agent.durability import Durability
-from agent.ingest import record_rejected
+from agent.ingest import IngestOutcome
 from agent.metrics import AgentMetrics
 from agent.pipeline import Ingestor, IngestorClosed, QueueFull, StoreWriteError
+from agent.rejected import record_rejected
 from agent.store import Store, StoreClosedError, utc_now
-from engine.events import ContentFormat
+from engine.events_arrow import ARROW_MEDIA_TYPE, WireFormat
 
-EVENT_MEDIA_TYPES: dict[str, ContentFormat] = {
+EVENT_MEDIA_TYPES: dict[str, WireFormat] = {
+    ARROW_MEDIA_TYPE: "arrow",
     "application/json": "json",
     "application/msgpack": "msgpack",
     "application/x-msgpack": "msgpack",
@@ -44,6 +47,40 @@ def event_routes(
     """The ingest routes over the app's store, pipeline and decoder (``current_store`` and
     ``current_ingestor`` raise :class:`~agent.api_common.ApiError` 503 when there is none)."""
     router = APIRouter()
+
+    async def decode_and_queue(
+        body: bytes, fmt: WireFormat, target: Store, ingestor: Ingestor
+    ) -> tuple[Future[IngestOutcome], Decoded] | JSONResponse:
+        """Decode ``body`` and queue it for a flush; an error answer when it cannot be."""
+        try:
+            decoded = await decoder.decode(body, fmt)
+        except BrokenProcessPool:
+            metrics.observe_rejected("decode_error")
+            return retry_later("a decode worker died twice in a row; send the batch again")
+        if isinstance(decoded, Invalid):
+            error = decoded.error()
+            filed = await run_in_threadpool(
+                lambda: record_rejected(
+                    target, body, fmt, error, received_at=utc_now(), tracker=ingestor.tracker
+                )
+            )
+            if isinstance(filed, tuple):
+                metrics.seq_gaps.inc()
+            metrics.observe_rejected("invalid")
+            located = {"column": error.column, "row": error.row} if error.column is not None else {}
+            return error_response(422, error.reason, path=error.path, **located)
+        prepared = decoded.batch
+        try:
+            if config.ingest_full_policy == "block":
+                future = await run_in_threadpool(ingestor.submit, prepared)
+            else:
+                future = ingestor.submit(prepared)
+        except QueueFull as exc:
+            metrics.observe_rejected("queue_full")
+            return retry_later(str(exc))
+        except IngestorClosed as exc:
+            return retry_later(str(exc))
+        return future, decoded
 
     @router.post("/v1/events")
     async def post_events(request: Request) -> JSONResponse:
@@ -64,40 +101,20 @@ def event_routes(
             raise
         target = current_store()
         ingestor = current_ingestor()
-        try:
-            decoded = await decoder.decode(body, fmt)
-        except BrokenProcessPool:
-            metrics.observe_rejected("decode_error")
-            return retry_later("a decode worker died twice in a row; send the batch again")
-        if isinstance(decoded, Invalid):
-            error = decoded.error()
-            filed = await run_in_threadpool(
-                lambda: record_rejected(
-                    target, body, fmt, error, received_at=utc_now(), tracker=ingestor.tracker
-                )
-            )
-            if isinstance(filed, tuple):
-                metrics.seq_gaps.inc()
-            metrics.observe_rejected("invalid")
-            return error_response(422, error.reason, path=error.path)
-        prepared = decoded.batch
-        try:
-            if config.ingest_full_policy == "block":
-                future = await run_in_threadpool(ingestor.submit, prepared)
-            else:
-                future = ingestor.submit(prepared)
-        except QueueFull as exc:
-            metrics.observe_rejected("queue_full")
-            return retry_later(str(exc))
-        except IngestorClosed as exc:
-            return retry_later(str(exc))
+        with ingestor.incoming():  # a flush starting meanwhile waits for this batch
+            queued = await decode_and_queue(body, fmt, target, ingestor)
+        if isinstance(queued, JSONResponse):
+            return queued
+        future, decoded = queued
         try:
             # shielded: a cancelled request must not cancel the flush's future, whose batch may
             # already be committed together with others
             outcome = await asyncio.shield(asyncio.wrap_future(future))
         except (duckdb.Error, StoreClosedError, StoreWriteError) as exc:
             return retry_later(f"the store could not write this batch ({type(exc).__name__}); send it again")
-        metrics.observe_ingest(outcome, decoded.summary)
+        metrics.observe_ingest(outcome)
+        metrics.stages.add("decode", decoded.decode_seconds)
+        metrics.stages.add("check", decoded.check_seconds)
         metrics.run_info.observe(outcome)
         if outcome.status == "conflict":
             return error_response(

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from benchmarks.ingest_load import free_port, launch_agent, stop_agent
+from benchmarks.bench_agent import free_port, launch_agent, stop_agent
 
 PER_BATCH = 5_000
 AGENT_SCRIPT = """

@@ -29,14 +29,8 @@ import httpx
 import msgspec
 
 from agent.duckdb_settings import usable_cpus
-from benchmarks.ingest_load import (
-    build_events,
-    free_port,
-    percentile,
-    stamp,
-    start_agent,
-    stop_agent,
-)
+from benchmarks.bench_agent import free_port, percentile, start_agent, stop_agent
+from benchmarks.bench_events import build_events, stamp
 from engine.events import SCHEMA_VERSION, EventBatch
 
 HEAVY_SQL = (

@@ -11,6 +11,8 @@ from typing import Literal
 
 import httpx
 
+from engine.events_arrow import media_type
+
 log = logging.getLogger(__name__)
 
 PostOutcome = Literal["sent", "rejected", "unreachable"]
@@ -19,14 +21,15 @@ PostOutcome = Literal["sent", "rejected", "unreachable"]
 def post_batch(
     http: httpx.Client, url: str, body: bytes, seq: int | None, attempts: int, stop: threading.Event
 ) -> tuple[PostOutcome, dict[str, object] | None, str]:
-    """POST one encoded batch to ``url`` (``/v1/events``): ``sent`` (stored or a duplicate, with
+    """POST one encoded batch to ``url`` (``/v1/events``), its content type read off the body
+    (:func:`engine.events_arrow.media_type`: Arrow, or msgpack from an older engine's spool): ``sent`` (stored or a duplicate, with
     the agent's answer when it is a JSON object), ``rejected`` (4xx, never retried; with the
     agent's reason, at most 500 characters) or ``unreachable`` (connection errors / 5xx after
     ``attempts``; the backoff doubles from 0.1 s up to 2 s and stops early once ``stop`` is set)."""
     delay = 0.1
     for attempt in range(1, attempts + 1):
         try:
-            resp = http.post(url, content=body)
+            resp = http.post(url, content=body, headers={"Content-Type": media_type(body)})
         except httpx.HTTPError as exc:
             reason = f"{type(exc).__name__}: {exc}"
         else:

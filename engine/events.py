@@ -269,10 +269,14 @@ class EventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class EventError(ValueError):
     """A batch that breaks the contract. ``path`` names the field (``$.events[3].form``)."""
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(self, path: str, reason: str, *, column: str | None = None, row: int | None = None) -> None:
         super().__init__(f"{path}: {reason}")
         self.path = path
         self.reason = reason
+        self.column = column
+        """The column an Arrow batch's error is in (:mod:`engine.events_arrow_check`)."""
+        self.row = row
+        """The first bad row of that column, counted within its kind's stream."""
 
 
 _json_decoder = msgspec.json.Decoder(EventBatch)

@@ -14,7 +14,8 @@ Three positions over the records, oldest first:
 * the end: records after the send offset are not sent yet (a backlog while the agent is down).
 
 File format: an append-only sequence of records ``[u32 length][u32 crc32][u32 events][payload]``
-(little endian; ``payload`` = one encoded batch; the CRC covers the event count and the
+(little endian; ``payload`` = one encoded batch — Arrow IPC, or msgpack from an older engine, told apart by
+:func:`engine.events_arrow.sniff_format` when it is sent; the CRC covers the event count and the
 payload). A sidecar ``<name>.offset`` holds the durable offset and the spool file's inode (16
 bytes; an 8-byte one from an older engine holds the offset alone), replaced atomically; when
 every record is durable both files are truncated. Once the durable prefix is at least

@@ -4,7 +4,8 @@
 event on a bounded in-memory queue (a full queue drops the event and counts it); a background
 thread groups events into batches (by size and by age), stamps each batch with the engine id,
 this process's ``run_id`` (:func:`engine.identity.new_run_id`) and a per-engine ``seq`` that
-grows by one per batch, and posts it as msgpack to ``POST /v1/events``,
+grows by one per batch, and posts it as Arrow IPC (:mod:`engine.events_arrow`, built column by
+column; ``wire_format`` msgpack or JSON on request) to ``POST /v1/events``,
 retrying connection failures and 5xx answers with capped exponential backoff. A batch the agent
 rejects (4xx) is not retried: it is counted and logged with the agent's reason.
 
@@ -29,7 +30,6 @@ labels batches (not in the idempotency key); two processes under one engine id a
 from __future__ import annotations
 
 import logging
-import queue
 import sys
 import threading
 import time
@@ -37,9 +37,13 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+import pyarrow as pa
 
 from engine.agent_http import epoch_of, post_batch
-from engine.events import SCHEMA_VERSION, Event, EventBatch, encode_batch
+from engine.event_buffer import EventBuffer
+from engine.events import Event
+from engine.events_arrow import WireFormat
+from engine.events_arrow_encode import encode_body
 from engine.identity import new_run_id
 from engine.run_seq import first_seq
 from engine.sinks import EventSink, ListSink, NullSink
@@ -62,7 +66,9 @@ class TelemetryClient:
         max_queue_events: capacity of the in-memory queue; beyond it events are dropped and
             counted in :attr:`dropped_events`.
         batch_max_events / batch_max_seconds: a batch is sent when it holds this many events or
-            its oldest event is this old.
+            its oldest event is this old (5,000: the agent's cost per batch is mostly fixed —
+            a request, a flush's share — so a busy engine sends few large batches; an idle one
+            still sends within ``batch_max_seconds``).
         max_retries: attempts per batch for connection errors and 5xx answers (backoff doubles
             from 0.1 s up to 2 s) when there is no spool; with one, :data:`SPOOL_RETRIES`.
         token: optional bearer token for the agent.
@@ -74,6 +80,8 @@ class TelemetryClient:
             acknowledged batches wait for it and nothing else is sent.
         run_id: stamped on every batch (default: a new :func:`engine.identity.new_run_id`).
         transport: the HTTP transport (default: httpx's; tests pass one to an agent in-process).
+        wire_format: the body format, ``arrow`` (Arrow IPC, :mod:`engine.events_arrow`; built
+            column by column), ``msgpack`` or ``json``.
 
     Raises:
         ValueError: a non-positive limit, or a spool path that cannot be opened.
@@ -85,7 +93,7 @@ class TelemetryClient:
         engine_id: str,
         *,
         max_queue_events: int = 200_000,
-        batch_max_events: int = 1_000,
+        batch_max_events: int = 5_000,
         batch_max_seconds: float = 0.5,
         max_retries: int = 8,
         timeout_seconds: float = 10.0,
@@ -96,22 +104,20 @@ class TelemetryClient:
         watermark_poll_seconds: float = 1.0,
         run_id: str | None = None,
         transport: httpx.BaseTransport | None = None,
+        wire_format: WireFormat = "arrow",
     ) -> None:
-        if max_queue_events <= 0 or batch_max_events <= 0 or batch_max_seconds <= 0:
-            raise ValueError("telemetry queue and batch limits must be positive")
+        self._buffer = EventBuffer(max_queue_events, batch_max_events, batch_max_seconds)
+        self.wire_format: WireFormat = wire_format
         self.url = url.rstrip("/") + "/v1/events"
         self.engine_id = engine_id
         self.run_id = run_id or new_run_id()
         self.batch_max_events = batch_max_events
         self.batch_max_seconds = batch_max_seconds
         self.max_retries = max_retries
-        self._queue: queue.Queue[Event] = queue.Queue(maxsize=max_queue_events)
-        headers = {"Content-Type": "application/msgpack"}
+        headers = {}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(timeout=timeout_seconds, headers=headers, transport=transport)
-        self._pending = 0
-        self._cond = threading.Condition()
         self._stop = threading.Event()
         self.sent_events = 0
         self.sent_batches = 0
@@ -138,32 +144,19 @@ class TelemetryClient:
         self._thread.start()
 
     def emit(self, event: Event) -> None:
-        """Queue one event; never blocks. A full queue, or a closed client, drops it (counted,
-        logged)."""
-        if self._stop.is_set():
-            self.dropped_events += 1
-            log.error("telemetry client is closed: event dropped")
+        """Queue one event; never blocks (:meth:`engine.event_buffer.EventBuffer.put`). A full
+        queue, or a closed client, drops it (counted, logged)."""
+        if not self._stop.is_set() and self._buffer.put(event):
             return
-        with self._cond:
-            self._pending += 1
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            self._settle(1)
-            self.dropped_events += 1
-            if self.dropped_events in (1, 10, 100) or self.dropped_events % 10_000 == 0:
-                log.error("telemetry queue full: %d events dropped so far", self.dropped_events)
+        self.dropped_events += 1
+        if self._stop.is_set():
+            log.error("telemetry client is closed: event dropped")
+        elif self.dropped_events in (1, 10, 100) or self.dropped_events % 10_000 == 0:
+            log.error("telemetry queue full: %d events dropped so far", self.dropped_events)
 
     def flush(self, timeout_seconds: float | None = None) -> bool:
         """Wait until every queued event was sent (or given up on). True if drained in time."""
-        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-        with self._cond:
-            while self._pending:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+        return self._buffer.drained(timeout_seconds)
 
     def close(self, timeout_seconds: float | None = 30.0) -> None:
         """Flush, give the spool the rest of ``timeout_seconds`` to send its backlog to the agent,
@@ -187,40 +180,23 @@ class TelemetryClient:
         return self.dropped_events + self.rejected_events
 
     # -- sender thread -------------------------------------------------------------------------
-    def _settle(self, n: int) -> None:
-        with self._cond:
-            self._pending -= n
-            if self._pending == 0:
-                self._cond.notify_all()
-
     def _run(self) -> None:
-        while not (self._stop.is_set() and self._queue.empty()):
+        while not (self._stop.is_set() and not self._buffer):
             try:
                 self._replay()
             except Exception:  # never let the sender die: back off and go on
                 log.exception("telemetry sender: re-sending from the spool failed; retrying")
                 self._retry_at = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, 2.0)
-            try:
-                first = self._queue.get(timeout=0.05 if self.spool else 0.1)
-            except queue.Empty:
+            events = self._buffer.take(0.05 if self.spool else 0.1, self._stop.is_set)
+            if not events:
                 continue
-            events = [first]
-            deadline = time.monotonic() + self.batch_max_seconds
-            while len(events) < self.batch_max_events:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    events.append(self._queue.get(timeout=remaining))
-                except queue.Empty:
-                    break
             try:
                 self._deliver(events)
             except Exception:  # the batch is in the spool (or counted dropped): go on
                 log.exception("telemetry sender: delivering a batch failed")
             finally:
-                self._settle(len(events))
+                self._buffer.done()
         if self.spool is not None:
             try:
                 if self.spool.awaiting_records and time.monotonic() >= self._retry_at:
@@ -238,24 +214,28 @@ class TelemetryClient:
                 self.dropped_events += len(events)
                 log.error("telemetry batch dropped: the agent at %s cannot be reached (%d events)", self.url, len(events))
                 return
-        batch = EventBatch(
-            schema_version=SCHEMA_VERSION, engine_id=self.engine_id, seq=self._seq, sent_at=time.time(), events=events, run_id=self.run_id
-        )
+        seq = self._seq
         self._seq += 1
-        body = encode_batch(batch, "msgpack")
+        try:
+            body = encode_body(self.wire_format, events, engine_id=self.engine_id, seq=seq, sent_at=time.time(), run_id=self.run_id)
+        except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:  # an event built with a wrong value
+            self.failed_batches += 1
+            self.dropped_events += len(events)
+            log.error("telemetry batch seq=%d could not be encoded (%d events dropped): %s", seq, len(events), exc)
+            return
         if self.spool is None:
-            outcome, _ = self._post(body, batch.seq, len(events), self.max_retries)
+            outcome, _ = self._post(body, seq, len(events), self.max_retries)
             if outcome == "sent":
                 self.sent_events += len(events)
                 self.sent_batches += 1
             elif outcome == "unreachable":
                 self.failed_batches += 1
                 self.dropped_events += len(events)
-                log.error("telemetry batch seq=%d dropped after %d attempts (%d events)", batch.seq, self.max_retries, len(events))
+                log.error("telemetry batch seq=%d dropped after %d attempts (%d events)", seq, self.max_retries, len(events))
             return
         self.spool.save_next_seq(self._seq)
         # behind the backlog, the queue too deep, or the agent down: the drain loop sends it
-        deferred = bool(self.spool) or self._queue.qsize() >= self.high_water_events or time.monotonic() < self._retry_at
+        deferred = bool(self.spool) or len(self._buffer) >= self.high_water_events or time.monotonic() < self._retry_at
         if not self._to_spool(body, len(events)):
             return
         if deferred:

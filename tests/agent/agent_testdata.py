@@ -170,3 +170,32 @@ def batch(seq: int, events: list[dict[str, Any]], engine_id: str = "e1") -> dict
 
 def json_body(value: Any) -> bytes:
     return msgspec.json.encode(value)
+
+
+def arrow_tables(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The events (JSON-like dicts, as :func:`known_events`) as one wire table per kind, in the
+    order each kind first appears; a field left out takes its default."""
+    import pyarrow as pa
+
+    from engine.events_arrow import WIRE_COLUMNS, WIRE_SCHEMAS
+
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for event in events:
+        kind = event["kind"]
+        filled = {}
+        for column in WIRE_COLUMNS[kind]:
+            if column.name in event:
+                filled[column.name] = event[column.name]
+            elif not column.required:
+                filled[column.name] = list(column.default) if isinstance(column.default, tuple) else getattr(column.default, "value", column.default)
+        rows.setdefault(kind, []).append(filled)
+    return {kind: pa.Table.from_pylist(items, schema=WIRE_SCHEMAS[kind]) for kind, items in rows.items()}
+
+
+def arrow_body(value: dict[str, Any]) -> bytes:
+    """A batch dict (as :func:`batch`) as an ``application/vnd.apache.arrow.stream`` body."""
+    from engine.events_arrow_encode import encode_tables
+
+    return encode_tables(
+        arrow_tables(value["events"]), engine_id=value["engine_id"], seq=value["seq"], sent_at=value["sent_at"], run_id=value.get("run_id")
+    )

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.events import EngineStats, Form, Tier
+from engine.events_arrow_check import batch_dict
 from engine.telemetry import TelemetryClient
 from tests.agent_process import start_agent
 
@@ -36,7 +36,7 @@ class LoseAcknowledgement(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         response = self.inner.handle_request(request)
         posted = request.method == "POST" and request.url.path == "/v1/events"
-        if posted and not self.lost and msgspec.msgpack.decode(request.content)["seq"] == self.seq:
+        if posted and not self.lost and batch_dict(request.content)["seq"] == self.seq:
             response.read()
             response.close()
             self.lost += 1

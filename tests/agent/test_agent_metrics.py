@@ -39,6 +39,10 @@ def test_metrics_after_known_batch_duplicate_and_rejected(client: TestClient, ba
     everything = samples(client)
     # DuckDB's buffer manager holds the stored rows' blocks: some memory, read at scrape time
     assert everything.pop(("kvscope_duckdb_memory_bytes", ())) > 0
+    # seconds spent per ingest stage: every stage ran for the stored batch (and the duplicate)
+    stages = {k[1][0][1]: everything.pop(k) for k in list(everything) if k[0] == "kvscope_ingest_stage_seconds_total"}
+    assert set(stages) == {"decode", "check", "insert", "commit", "summary"}
+    assert all(seconds > 0 for seconds in stages.values()), stages
     histograms = {k: v for k, v in everything.items() if k[0].endswith(("_bucket", "_sum", "_count"))}
     assert {k: v for k, v in everything.items() if k not in histograms} == {
         ("kvscope_cache_lookups_total", lbl(**EM, form="full_kv", tier="device", outcome="hit")): 1.0,

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import httpx
-import msgspec
 import pytest
 
 from engine.events import EngineStats, Form, Tier
+from engine.events_arrow_check import batch_dict
 from engine.identity import ENGINE_ID_MAX_CHARS, check_engine_id, derived_engine_id, new_run_id
 from engine.run_seq import first_seq
 from engine.telemetry import TelemetryClient
@@ -93,7 +93,7 @@ def agent(next_seq: int | None, *, status: int = 200, down: bool = False, posts:
             assert request.url.params["engine_id"] == "e-id"
             return httpx.Response(status, json={} if next_seq is None else {"engine_id": "e-id", "next_seq": next_seq})
         if posts is not None and request.url.path == "/v1/events":
-            posts.append(msgspec.msgpack.decode(request.content))
+            posts.append(batch_dict(request.content))
             return httpx.Response(200, json={"status": "stored"})
         return httpx.Response(404, json={})
 

@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 import httpx
-import msgspec
 
 from engine.events import EngineStats, Form, Tier
+from engine.events_arrow_check import batch_dict
 from engine.llm import default_engine_id
 from engine.telemetry import TelemetryClient
 
@@ -40,7 +40,7 @@ def _stats(engine_id: str) -> EngineStats:
 
 def _run_once(engine_id: str, sent: list[tuple[str, int]], spool: Path | None) -> None:
     def handler(request: httpx.Request) -> httpx.Response:
-        body = msgspec.msgpack.decode(request.content)
+        body = batch_dict(request.content)
         sent.append((body["engine_id"], body["seq"]))
         return httpx.Response(200, json={"status": "stored"})
 

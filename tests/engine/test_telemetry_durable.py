@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import msgspec
 
 from engine.events import EngineStats
+from engine.events_arrow_check import batch_dict
 from engine.spool import _OFFSET, Spool
 from engine.telemetry import TelemetryClient
 from tests.helpers import numbered_stats
@@ -60,7 +60,7 @@ class DurableAgent:
         if request.url.path != "/v1/events":
             with self.lock:
                 return httpx.Response(200, json={"engine_id": "e-durable", **self.watermark()})
-        body = msgspec.msgpack.decode(request.content)
+        body = batch_dict(request.content)
         with self.lock:
             self.posts += 1
             status = "duplicate" if body["seq"] in self.batches else "stored"
@@ -228,7 +228,7 @@ def test_an_agent_replaced_by_one_without_watermarks_gets_what_was_not_durable_a
     def older_agent(request: httpx.Request) -> httpx.Response:  # stores, answers without epochs
         if request.url.path != "/v1/events":
             return httpx.Response(404, json={"error": {"reason": "not found"}})
-        body = msgspec.msgpack.decode(request.content)
+        body = batch_dict(request.content)
         legacy.setdefault(body["seq"], [e["used_bytes"] for e in body["events"]])
         return httpx.Response(200, json={"status": "stored", "events": len(body["events"])})
 

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import httpx
-import msgspec
 import pytest
 
 from engine.events import EngineStats
+from engine.events_arrow_check import batch_dict
 from engine.spool import Spool
 from engine.telemetry import TelemetryClient
 from tests.helpers import numbered_stats
@@ -36,7 +36,7 @@ class FlakyAgent:
             raise httpx.ConnectError("agent down", request=request)
         if request.url.path != "/v1/events":  # an agent without durable watermarks
             return httpx.Response(404, json={"error": {"reason": "not found"}})
-        body = msgspec.msgpack.decode(request.content)
+        body = batch_dict(request.content)
         self.deliveries += 1
         self.batches.setdefault(body["seq"], [e["used_bytes"] for e in body["events"]])
         return httpx.Response(200, json={"status": "stored"})
