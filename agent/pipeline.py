@@ -205,7 +205,8 @@ class Ingestor:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout_seconds)
-        self._summary_thread.shutdown(wait=not self._thread.is_alive())
+        if not self._thread.is_alive():  # a flusher still running shuts it down itself (_run)
+            self._summary_thread.shutdown(wait=True)
 
     # -- flusher thread ----------------------------------------------------------------------------
     def _stamp(self) -> datetime:
@@ -243,6 +244,7 @@ class Ingestor:
         while True:
             items = self._take()
             if items is None:
+                self._summary_thread.shutdown(wait=False)
                 return
             try:
                 self._flush(items)

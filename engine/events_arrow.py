@@ -262,7 +262,8 @@ def decode_body(body: bytes) -> ArrowBatch:
             start = source.tell()
             table = reader.read_all()
             table.validate(full=True)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, OSError) as exc:
+            table.schema.names  # noqa: B018 - field names must be UTF-8, which validation does not check
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # any of pyarrow's, a dictionary id unknown too
             raise EventError(at, f"malformed Arrow IPC stream: {exc}") from None
         end = source.tell()
         meta = dict(table.schema.metadata or {})

@@ -232,7 +232,10 @@ def check_kind(kind: str, table: pa.Table, engine_id: str) -> Columns:
     if table.num_rows == 0:
         return Columns(0, arrays={p.name: pa.array([], p.store_type) for p in PLANS[kind]})
     if any(c.num_chunks != 1 for c in table.columns):
-        table = table.combine_chunks()
+        try:
+            table = table.combine_chunks()
+        except pa.ArrowException as exc:  # dictionaries that cannot be merged (past int8 entries)
+            raise EventError(f"$.{kind}", f"record batches that cannot be combined: {exc}") from None
     columns = Columns(table.num_rows)
     for plan, data in zip(PLANS[kind], table.columns, strict=True):
         array = data.chunk(0)

@@ -12,7 +12,14 @@ from pathlib import Path
 import msgspec
 import pyarrow as pa
 import pytest
-from agent_testdata import arrow_body, arrow_tables, batch, known_events, lookup_event
+from agent_testdata import (
+    arrow_body,
+    arrow_tables,
+    batch,
+    known_events,
+    lookup_event,
+    request_event,
+)
 from fastapi.testclient import TestClient
 
 from agent.decode import decode_for_ingest
@@ -173,11 +180,13 @@ def test_concurrent_arrow_resends_store_once(client: TestClient, base: int) -> N
     ("kind", "table", "nulls_sql", "nulls"),
     [
         ("cache_lookup", "cache_lookups", "ghost_bytes IS NULL AND spare_bytes IS NULL", 4),
-        ("request", "requests", "limiting_form IS NULL", 0),
+        ("request", "requests", "limiting_form IS NULL", 1),
     ],
 )
 def test_an_arrow_batch_of_one_kind_keeps_its_nulls(client: TestClient, base: int, kind: str, table: str, nulls_sql: str, nulls: int) -> None:
     events = [e for e in known_events(base) if e["kind"] == kind]
+    if kind == "request":  # and one request that names no limiting form
+        events.append(request_event(base + 9, "r-none"))
     body = encode_tables(arrow_tables(events), engine_id="e1", seq=31, sent_at=time.time())
     assert client.post("/v1/events", content=body, headers=ARROW).json()["status"] == "stored"
     assert count(client, table) == len(events)

@@ -80,11 +80,16 @@ def test_the_arrow_path_stores_exactly_what_the_msgpack_path_does() -> None:
 
 def test_the_client_encoder_round_trips_engine_events_in_every_format() -> None:
     events = [msgspec.convert({k: v for k, v in e.items() if k != "kind"}, _struct(e["kind"])) for e in rich_events()]
+    by_format = {}
     for fmt in ("arrow", "msgpack", "json"):
         body = encode_body(fmt, events, engine_id="e1", seq=3, sent_at=BASE, run_id="r")
         assert sniff_format(body) == fmt
         decoded = batch_dict(body)
-        assert decoded["seq"] == 3 and decoded["run_id"] == "r" and len(decoded["events"]) == len(events)  # type: ignore[arg-type]
+        assert decoded["seq"] == 3 and decoded["run_id"] == "r"
+        by_format[fmt] = sorted((e["kind"], e["ts"], e.get("request_id", ""), e.get("form", ""), msgspec.json.encode(e, order="sorted")) for e in decoded["events"])  # type: ignore[union-attr,index]
+    # every field of every event survives each format the same (Arrow groups events by kind)
+    assert by_format["arrow"] == by_format["msgpack"] == by_format["json"]
+    assert len(by_format["arrow"]) == len(events)
     assert media_type(encode_body("arrow", events, engine_id="e1", seq=0, sent_at=BASE)) == ARROW_MEDIA_TYPE
     assert header_of(encode_body("arrow", events, engine_id="e1", seq=7, sent_at=BASE)) == ("e1", 7)
 
@@ -161,7 +166,7 @@ RULE_CASES = [
     ("infinite ts", lookup_event(float("inf"), "r"), "ts"),
     ("empty request id", lookup_event(BASE, "", hash_hit_tokens=0), "request_id"),
     ("another engine", lookup_event(BASE, "r", engine_id="e2"), "engine_id"),
-    ("a layer group past INTEGER", lookup_event(BASE, "r", layer_group=-5), "layer_group"),
+    ("a negative layer group", lookup_event(BASE, "r", layer_group=-5), "layer_group"),
 ]
 
 
@@ -284,6 +289,25 @@ def test_a_dictionary_index_out_of_range_is_refused_not_read() -> None:
     bad = pa.DictionaryArray.from_arrays(pa.array([0, 5], pa.int8()), pa.array(["device"]), safe=False)
     error = refusal(stream(table.set_column(index, "tier", bad), header()))
     assert error.path == "$.streams[0]" and "out of bounds" in error.reason  # full validation, before any read
+
+
+def test_an_unknown_dictionary_id_names_that_are_not_utf8_and_unmergeable_dictionaries_are_422s() -> None:
+    table = lookups()
+    other = stream(table, header())
+    schema_end = len(stream(table.slice(0, 0), header())) - 8  # the schema message alone
+    spliced = stream(table.select(["ts"]).slice(0, 0), header())[:-8] + other[schema_end:]  # another stream's dictionaries
+    assert refusal(spliced).path.startswith("$.streams[")
+    raw = stream(table, header())
+    assert b"engine_id" in raw
+    bad_name = raw.replace(b"request_id", b"request\xff\xfe\xfd", 1)  # same length: only the name is bad
+    assert refusal(bad_name).path.startswith("$.")
+    index = table.schema.get_field_index("tier")
+    junk = [f"x{i}" for i in range(120)]
+    first = pa.DictionaryArray.from_arrays(pa.array([0, 0], pa.int8()), pa.array(["device", *junk]))
+    second = pa.DictionaryArray.from_arrays(pa.array([0, 0], pa.int8()), pa.array(["host", *[j + "y" for j in junk]]))
+    halves = pa.concat_tables([table.set_column(index, "tier", first), table.set_column(index, "tier", second)])
+    error = refusal(stream(halves, header()))
+    assert error.path == "$.cache_lookup" and "cannot be combined" in error.reason
 
 
 def test_wire_schemas_come_from_the_event_structs() -> None:
