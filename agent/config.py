@@ -162,6 +162,9 @@ class AgentConfig:
             ``kvscope_metric_label_values_evicted_total``) and the new value takes its slot, so
             engine ids that died (a new ``host-pid-start`` id per engine run) do not hold the
             slots forever. ``None``: never evict (the first values are kept until restart).
+        vllm_kv_events / vllm_kv_events_replay: a vLLM engine's ZMQ KV-event PUB address and
+            its replay (ROUTER) address, both optional: its block events are stored under
+            ``vllm_engine_id`` / ``vllm_model`` (:mod:`agent.vllm_subscriber`; docs/vllm.md).
     """
 
     host: str = "127.0.0.1"
@@ -199,6 +202,10 @@ class AgentConfig:
     gpu_sample_seconds: float | None = 15.0
     metric_label_max_values: int = DEFAULT_MAX_VALUES
     metric_label_idle_seconds: float | None = DEFAULT_IDLE_SECONDS
+    vllm_kv_events: str | None = None
+    vllm_kv_events_replay: str | None = None
+    vllm_engine_id: str = "vllm"
+    vllm_model: str = "vllm"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -273,6 +280,12 @@ class AgentConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, Path):
                 object.__setattr__(self, name, Path(value))
+        for name in ("vllm_kv_events", "vllm_kv_events_replay"):
+            address = getattr(self, name)
+            if address is not None and not address.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name} must be a ZMQ address (tcp://HOST:PORT, ipc://PATH), got {address!r}")
+        if not self.vllm_engine_id or not self.vllm_model:
+            raise ValueError("vllm_engine_id and vllm_model must not be empty")
         for name in ("external_url", "dashboard_url"):
             url = getattr(self, name)
             if url is not None and (not url.startswith(("http://", "https://")) or "{" in url or "}" in url):

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from agent.app import create_app
 from agent.config import AgentConfig
@@ -26,6 +27,8 @@ from agent.health import Health
 from agent.maintenance import MaintenanceScheduler
 from agent.metrics import AgentMetrics
 from agent.startup import open_guarded_store
+from agent.store import Store
+from agent.vllm_subscriber import VllmKvEventSubscriber, pipeline_ingest, store_last_stored
 from alerts.notifier import Notifier
 from alerts.notify_config import DEFAULT_NOTIFY_PATH, load_notify_config
 from alerts.rule_scheduler import RuleScheduler
@@ -96,11 +99,16 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
         app.state.missed_evaluations = rule_scheduler.missed.counts
         app.state.rule_health = lambda: rule_scheduler.health.snapshot(list(rule_scheduler.rules.rules))
         maintenance.start(parent_pid=parent_pid, on_parent_exit=lambda: setattr(server, "should_exit", True))
+        vllm = vllm_subscriber(config, app, store, metrics)
         try:
             rule_scheduler.start()
+            if vllm is not None:
+                vllm.start()
             with _signals_end_quietly():
                 server.run()
         finally:
+            if vllm is not None:
+                vllm.close()
             rule_scheduler.shutdown()
             notifier.close()
             maintenance.shutdown()
@@ -117,6 +125,21 @@ def serve(config: AgentConfig, *, log_level: str = "info", parent_pid: int | Non
             log.info("agent stopped; store %s checkpointed and closed", config.db_path)
         else:  # a query DuckDB cannot stop yet: store.close logged it; the WAL holds every write
             log.warning("agent stopped; store %s checkpointed, its connection left to the process's exit", config.db_path)
+
+
+def vllm_subscriber(config: AgentConfig, app: FastAPI, store: Store, metrics: AgentMetrics) -> VllmKvEventSubscriber | None:
+    """The subscriber to ``config.vllm_kv_events`` (None when it is not set), ingesting through
+    the app's pipeline."""
+    if config.vllm_kv_events is None:
+        return None
+    return VllmKvEventSubscriber(
+        config.vllm_kv_events,
+        ingest=pipeline_ingest(lambda: app.state.ingestor, metrics),
+        last_stored=store_last_stored(store),
+        replay_endpoint=config.vllm_kv_events_replay,
+        engine_id=config.vllm_engine_id,
+        model=config.vllm_model,
+    )
 
 
 @contextmanager

@@ -128,6 +128,9 @@ class BlockAction(enum.StrEnum):
     REMOVED = "removed"
     OFFLOADED = "offloaded"
     RESTORED = "restored"
+    CLEARED = "cleared"
+    """Every block of the form on that tier was dropped at once (vLLM's ``AllBlocksCleared``;
+    ``block_hash`` is ``*``)."""
 
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

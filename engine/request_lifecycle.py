@@ -272,7 +272,8 @@ class RequestLifecycle:
 
     def prefill(self, lease: Lease, keep_logits: bool) -> Tensor:
         """Compute ``[L*, T)`` of the lease's sequence alone, in chunks of at most
-        ``max_prefill_chunk_tokens`` that end at its checkpoint positions, each committed
+        ``max_prefill_chunk_tokens`` that end at its checkpoint positions where those cannot be
+        taken inside a chunk (``PagedSequence.chunk_stops``), each committed
         (:meth:`commit`, then :meth:`check_cache`).
 
         Returns:
@@ -284,7 +285,7 @@ class RequestLifecycle:
         start = seq.num_computed_tokens
         pieces: list[Tensor] = []
         while start < total:
-            end = min([total, start + self.cache.config.max_prefill_chunk_tokens, *(p for p in seq.checkpoint_positions if p > start)])
+            end = min([total, start + self.cache.config.max_prefill_chunk_tokens, *(p for p in seq.chunk_stops if p > start)])
             positions = seq.begin_chunk(end)
             logits = self.model(self.to_device(seq.token_ids[start:end]), positions, seq)
             self.commit(seq, end)

@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--alert-rules", type=Path, default=None, help="the alert rule file (overrides alert_rules_file; default: the shipped one)")
     agent.add_argument("--alert-notify", type=Path, default=None, help="the notification file (overrides alert_notify_file; default: the shipped one)")
     agent.add_argument("--dashboard-url", default=None, help="the dashboard's URL, for {{ $dashboardURL }} in alert annotations (the shipped runbook links; overrides dashboard_url)")
+    agent.add_argument(
+        "--vllm-kv-events", default=None, metavar="ADDRESS",
+        help="also store a vLLM engine's KV events: its ZMQ publisher's address (tcp://127.0.0.1:5557; overrides vllm_kv_events)",
+    )  # fmt: skip
+    agent.add_argument("--vllm-kv-events-replay", default=None, metavar="ADDRESS", help="that vLLM's replay address, to fetch missed batches (overrides vllm_kv_events_replay)")
+    agent.add_argument("--vllm-engine-id", default=None, help="the engine id vLLM's events are stored under (overrides vllm_engine_id; default: vllm)")
+    agent.add_argument("--vllm-model", default=None, help="the model name vLLM's events are stored under (overrides vllm_model; default: vllm)")
     agent.add_argument("--exit-with-parent", action="store_true", help="shut down when the process that started the agent exits (kvscope up uses it)")
 
     dash = sub.add_parser("dashboard", parents=[verbose], help="the Streamlit dashboard")

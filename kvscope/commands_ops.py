@@ -35,6 +35,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
                 "alert_rules_file": args.alert_rules,
                 "alert_notify_file": args.alert_notify,
                 "dashboard_url": args.dashboard_url,
+                "vllm_kv_events": args.vllm_kv_events,
+                "vllm_kv_events_replay": args.vllm_kv_events_replay,
+                "vllm_engine_id": args.vllm_engine_id,
+                "vllm_model": args.vllm_model,
             }.items()
             if v is not None
         }

@@ -164,6 +164,12 @@ class FormSet:
         """Whether some form resumes only at stored checkpoints (recurrent state, or rows of a
         compressor's tail or indexer): then resume points are the checkpoint positions, not
         every U boundary."""
+        self.checkpoints_inside_chunks = self.linear is not None and self.tail is None and self.indexer is None and self.compressed is None
+        """Whether a prefill chunk may run past a checkpoint position, the checkpoint taken inside
+        it (:meth:`PagedSequence.begin_chunk <engine.cache.sequence.PagedSequence.begin_chunk>`):
+        the recurrent state is the only checkpointed state, and the linear layers hand it over at
+        each such position. A compressor's tail and indexer rows exist only at a chunk's end, so
+        with compressed forms chunks still end at every checkpoint position."""
 
     def _check_specs(self) -> None:
         if [f.form for f in self.forms] != list(self.pool_specs):

@@ -235,11 +235,12 @@ class Planner:
 
     def chunks(self, prompt_tokens: int, plan: ResumePlan) -> int:
         """Forward passes a prefill of ``plan`` runs: chunks of at most
-        ``max_prefill_chunk_tokens`` that end at its checkpoint positions (as the engine's
-        prefill)."""
+        ``max_prefill_chunk_tokens`` that end at its checkpoint positions unless those are taken
+        inside chunks (as the engine's prefill)."""
         start = plan.resume_tokens - plan.replayed_tokens
         cap = self.config.max_prefill_chunk_tokens
-        stops = sorted(p for p in self.form_set.checkpoint_positions(plan) if start < p < prompt_tokens)
+        inside = self.form_set.checkpoints_inside_chunks
+        stops = [] if inside else sorted(p for p in self.form_set.checkpoint_positions(plan) if start < p < prompt_tokens)
         count, at = 0, start
         for stop in [*stops, prompt_tokens]:
             count += -(-(stop - at) // cap)  # full chunks up to the next checkpoint

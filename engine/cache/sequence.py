@@ -107,7 +107,8 @@ class PagedSequence:
         """Per entry-page group of the form set: the blocks of this prefix's compressed entry pages
         the request holds leased, in page order (restored at L*, then stored at commits)."""
         self.checkpoint_positions = checkpoint_positions
-        """Where this request stores recurrent checkpoints (prefill chunks end there)."""
+        """Where this request stores recurrent checkpoints (prefill chunks end there, or take
+        them inside: :attr:`chunk_stops`)."""
         self.pinned: list[tuple[BlockPool, int]] = []
         """Blocks leased only to keep them (a Tail-Replay's matched pages past its start)."""
         self.approximate = False
@@ -117,7 +118,18 @@ class PagedSequence:
         """Window forms whose pages this request's lookup found evicted (set by start)."""
         self._chunk: dict[PagedKVForm, _ChunkPages] = {}
         self._chunk_positions: Tensor | None = None
+        self._inner_offsets: tuple[int, ...] = ()
+        self._inner_states: dict[int, dict[int, LinearLayerState]] = {}
+        """Checkpoints inside the current chunk: position -> layer -> its state there."""
         self.finished = False
+
+    @property
+    def chunk_stops(self) -> frozenset[int]:
+        """The checkpoint positions a prefill chunk must end at: all of them, or none when they
+        are taken inside chunks (``FormSet.checkpoints_inside_chunks``; a Tail-Replay takes none)."""
+        if self.form_set.checkpoints_inside_chunks:
+            return frozenset()
+        return self.checkpoint_positions
 
     @property
     def chunk_positions(self) -> Tensor | None:
@@ -150,6 +162,12 @@ class PagedSequence:
 
     def linear(self, layer: int) -> LinearLayerState:
         return self.linear_states[layer]
+
+    def linear_checkpoints(self) -> tuple[int, ...]:
+        return self._inner_offsets
+
+    def save_linear(self, layer: int, offset: int, state: LinearLayerState) -> None:
+        self._inner_states.setdefault(self.num_computed_tokens + offset, {})[layer] = state
 
     def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
         """The state of a CSA/HCA layer: restored from the compressed forms at L* by
@@ -204,6 +222,10 @@ class PagedSequence:
                 end=end,
             )
         self._chunk_positions = positions
+        self._inner_states = {}
+        self._inner_offsets = ()
+        if self.form_set.checkpoints_inside_chunks and not self.approximate:
+            self._inner_offsets = tuple(sorted(p - start for p in self.checkpoint_positions if start < p < end and p % u == 0))
         return positions
 
     def commit(self, end: int, take_checkpoint: bool) -> None:
@@ -211,6 +233,7 @@ class PagedSequence:
         self.num_computed_tokens = end
         self._chunk.clear()
         self._chunk_positions = None
+        self._inner_offsets = ()
         u = self.unit_tokens
         full_pages = end // u
         if full_pages > len(self.hashes):
@@ -223,6 +246,11 @@ class PagedSequence:
                         form.pool.publish(table[page], self.hashes[page])
             if self.compressed_states:
                 self.writer.store_entries(self.hashes, self.compressed_states, self.entry_tables)
+            for inner in sorted(self._inner_states):  # taken inside the chunk (begin_chunk)
+                self.last_checkpoint_reached = inner
+                if self.writer.save_checkpoint(self.hashes, inner, self._inner_states[inner], self.compressed_states):
+                    self.last_checkpoint_tokens = inner
+            self._inner_states = {}
             if take_checkpoint and end % u == 0:
                 self.last_checkpoint_reached = end
                 if self.writer.save_checkpoint(self.hashes, end, self.linear_states, self.compressed_states):

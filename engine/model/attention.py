@@ -11,18 +11,12 @@ from torch import Tensor, nn
 
 from engine.config import HybridConfig
 from engine.model import kernel_backend as kb
+from engine.model.causal_attention import attention_mask, causal_attention
 from engine.model.decode_batch import DecodeBatch, paged_decode
 from engine.model.layers import apply_rotary
 from engine.model.state import SequenceState
 
-
-def attention_mask(q_positions: Tensor, k_positions: Tensor, window: int | None) -> Tensor:
-    """Boolean ``[T, S]`` mask, True where the query may attend to the key."""
-    diff = q_positions[:, None] - k_positions[None, :]
-    mask = diff >= 0
-    if window is not None:
-        mask &= diff < window
-    return mask
+__all__ = ["Attention", "attention_mask"]
 
 
 class Attention(nn.Module):
@@ -63,13 +57,5 @@ class Attention(nn.Module):
             out = kb.paged_attention(q, pages, scale=self.head_dim**-0.5, window=self.window)
             return self.o_proj(out.reshape(t, -1))
         kv = state.attention_kv(self.layer, positions, k, v)
-        mask = attention_mask(positions, kv.positions, self.window)
-        out = nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            kv.keys.transpose(0, 1).unsqueeze(0),
-            kv.values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            enable_gqa=True,
-        )
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(t, -1))
-
+        out = causal_attention(q, kv.keys, kv.values, positions, kv.positions, scale=self.head_dim**-0.5, window=self.window)
+        return self.o_proj(out.reshape(t, -1))

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from engine.config import HybridConfig
 from engine.model import kernel_backend as kb
 from engine.model.decode_batch import DecodeBatch, conv_decode, delta_rule_decode
-from engine.model.state import SequenceState
+from engine.model.state import LinearLayerState, SequenceState
 from kernels.gated_delta_rule_torch import (
     causal_conv1d,
     chunk_gated_delta_rule,
@@ -103,22 +103,48 @@ class GatedDeltaNetBase(nn.Module):
             a, b: ``[T, H_v]`` the decay and write-strength projections.
             conv_weight: ``[C_conv, K]`` the depthwise conv kernel.
             state: a sequence's state (this layer's conv and recurrent state are read and
-                replaced) or a decode batch (one token per row; its static slots updated in place).
+                replaced; at each of its :meth:`~engine.model.state.SequenceState.linear_checkpoints`
+                the state there is handed to ``save_linear``) or a decode batch (one token per
+                row; its static slots updated in place).
 
         Returns:
             ``o [T, H_v, D_v]`` float32. Value head ``j·r + i`` (r = H_v / H_k) reads key head j.
         """
-        t = qkv.shape[0]
-        backend = self.kernel_backend
         if isinstance(state, DecodeBatch):
             conv, recurrent = state.linear(self.layer)
-            mixed = conv_decode(qkv, conv_weight, conv, state.slot_ids, backend=backend)
+            mixed = conv_decode(qkv, conv_weight, conv, state.slot_ids, backend=self.kernel_backend)
+            q, k, v, g, beta = self._gates(mixed, a, b)
+            return delta_rule_decode(q, k, v, g, beta, recurrent, state.slot_ids, backend=self.kernel_backend)
+        layer_state = state.linear(self.layer)
+        offsets = state.linear_checkpoints()
+        if not offsets:
+            return self._span(qkv, a, b, conv_weight, layer_state)
+        pieces, at = [], 0  # checkpoints inside the chunk: the recurrence stops at each of them
+        for stop in (*offsets, qkv.shape[0]):
+            pieces.append(self._span(qkv[at:stop], a[at:stop], b[at:stop], conv_weight, layer_state))
+            if stop < qkv.shape[0]:
+                state.save_linear(self.layer, stop, layer_state.clone())
+            at = stop
+        return torch.cat(pieces)
+
+    def _span(self, qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, layer_state: LinearLayerState) -> Tensor:
+        """:meth:`gated_delta` over consecutive tokens of one sequence, its state replaced."""
+        if self.kernel_backend == "triton":
+            mixed = kb.causal_conv1d(qkv, conv_weight, layer_state)
         else:
-            layer_state = state.linear(self.layer)
-            if backend == "triton":
-                mixed = kb.causal_conv1d(qkv, conv_weight, layer_state)
-            else:
-                mixed, layer_state.conv = causal_conv1d(qkv, conv_weight, layer_state.conv)
+            mixed, layer_state.conv = causal_conv1d(qkv, conv_weight, layer_state.conv)
+        q, k, v, g, beta = self._gates(mixed, a, b)
+        if self.kernel_backend == "triton":
+            o, layer_state.recurrent = kb.gated_delta_rule(q, k, v, g, beta, layer_state.recurrent)
+        else:
+            rule = chunk_gated_delta_rule if qkv.shape[0] >= kb.CHUNKED_MIN_TOKENS else gated_delta_rule
+            o, layer_state.recurrent = rule(q, k, v, g, beta, layer_state.recurrent)
+        return o
+
+    def _gates(self, mixed: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Heads of the conv's output, L2-normalised q and k (float32, repeated per value head),
+        the decay g and the write strength β."""
+        t = mixed.shape[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
@@ -129,14 +155,7 @@ class GatedDeltaNetBase(nn.Module):
         q, k = l2norm(q.float()), l2norm(k.float())
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias.float())
-        if isinstance(state, DecodeBatch):
-            return delta_rule_decode(q, k, v, g, beta, recurrent, state.slot_ids, backend=backend)
-        if backend == "triton":
-            o, layer_state.recurrent = kb.gated_delta_rule(q, k, v, g, beta, layer_state.recurrent)
-        else:
-            rule = chunk_gated_delta_rule if t >= kb.CHUNKED_MIN_TOKENS else gated_delta_rule
-            o, layer_state.recurrent = rule(q, k, v, g, beta, layer_state.recurrent)
-        return o
+        return q, k, v, g, beta
 
 
 class GatedDeltaNet(GatedDeltaNetBase):

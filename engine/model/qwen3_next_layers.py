@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.model import kernel_backend as kb
-from engine.model.attention import attention_mask
+from engine.model.causal_attention import causal_attention
 from engine.model.decode_batch import DecodeBatch, paged_decode
 from engine.model.gated_deltanet import GatedDeltaNetBase, gated_rms_norm
 from engine.model.layers import apply_rotary
@@ -103,15 +103,7 @@ class Qwen3NextAttention(nn.Module):
             out = kb.paged_attention(q, pages, scale=self.scale, window=None).reshape(t, self.num_heads * d)
         else:
             kv = state.attention_kv(self.layer, positions, k, v)
-            out = nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0),
-                kv.keys.transpose(0, 1).unsqueeze(0),
-                kv.values.transpose(0, 1).unsqueeze(0),
-                attn_mask=attention_mask(positions, kv.positions, None),
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out = out.squeeze(0).transpose(0, 1).reshape(t, self.num_heads * d)
+            out = causal_attention(q, kv.keys, kv.values, positions, kv.positions, scale=self.scale).reshape(t, self.num_heads * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.num_heads * d)))
 
 

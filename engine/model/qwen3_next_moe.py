@@ -30,8 +30,10 @@ class Qwen3NextExperts(nn.Module):
 
     forward: ``x [T, C]``, ``expert_ids [T, k]`` (distinct per token), ``weights [T, k]`` →
     ``Σ_j weights[t, j] · expert_{ids[t, j]}(x_t)`` as ``[T, C]``, accumulated in ascending expert
-    order (as transformers does, so float sums round the same way). The experts each token chose
-    are found by value (``unique``, ``where``): a CUDA graph cannot capture this path.
+    order (as transformers does, so float sums round the same way). The (token, slot) pairs are
+    grouped by expert with one stable sort, and each used expert runs its gate and up
+    projections as one matmul over its tokens (transformers' ``gate_up_proj`` layout). The
+    group sizes are read back to the host: a CUDA graph cannot capture this path.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -47,13 +49,22 @@ class Qwen3NextExperts(nn.Module):
         return dict(zip(_CHECKPOINT_NAMES, (self.gate_up_proj[e, :i], self.gate_up_proj[e, i:], self.down_proj[e]), strict=True))
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        k = expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens, slot_weights = order // k, weights.reshape(-1)[order]
+        i = self.intermediate_size
         out = torch.zeros_like(x)
-        for expert in torch.unique(expert_ids).tolist():
-            tokens, slots = torch.where(expert_ids == expert)
-            w = self.expert(expert)
-            h = x[tokens]
-            y = nn.functional.linear(nn.functional.silu(nn.functional.linear(h, w["gate_proj"])) * nn.functional.linear(h, w["up_proj"]), w["down_proj"])
-            out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = tokens[start : start + n]
+            gate_up = nn.functional.linear(x[idx], self.gate_up_proj[expert])  # one matmul: [n, 2I]
+            y = nn.functional.linear(nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:], self.down_proj[expert])
+            out.index_add_(0, idx, (y * slot_weights[start : start + n, None]).to(out.dtype))
+            start += n
         return out
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:

@@ -269,6 +269,16 @@ class SequenceState(Protocol):
         """The recurrent state of a linear layer; the layer replaces its fields in place."""
         ...
 
+    def linear_checkpoints(self) -> tuple[int, ...]:
+        """Offsets ``0 < o < T`` into the current chunk, ascending, where every linear layer
+        hands a copy of its state after the chunk's first o tokens to :meth:`save_linear`
+        (recurrent checkpoints taken inside a chunk); () for none."""
+        ...
+
+    def save_linear(self, layer: int, offset: int, state: LinearLayerState) -> None:
+        """Keep ``state`` (a copy) as ``layer``'s state after the chunk's first ``offset`` tokens."""
+        ...
+
     def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
         """The state of a CSA / HCA layer (created empty, for L = 0, on first use); the layer
         replaces its fields in place.
@@ -356,6 +366,12 @@ class DenseState:
 
     def linear(self, layer: int) -> LinearLayerState:
         return self._linear[layer]
+
+    def linear_checkpoints(self) -> tuple[int, ...]:
+        return ()
+
+    def save_linear(self, layer: int, offset: int, state: LinearLayerState) -> None:
+        raise RuntimeError("a dense state asks for no checkpoints inside a chunk")
 
     def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
         state = self._compressed.get(layer)

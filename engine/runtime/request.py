@@ -94,9 +94,10 @@ class RuntimeRequest:
 
     def next_chunk_end(self, budget: int) -> int:
         """A prefill chunk from the computed tokens: at most ``budget`` and ``max_chunk`` tokens,
-        ending at the next checkpoint position if one comes first."""
+        ending at the next checkpoint position that must end a chunk if one comes first
+        (``PagedSequence.chunk_stops``)."""
         assert self.seq is not None
         start = self.num_computed_tokens
         ends = [self.num_tokens, start + budget, start + self.max_chunk]
-        ends += [p for p in self.seq.checkpoint_positions if start < p < min(ends)]
+        ends += [p for p in self.seq.chunk_stops if start < p < min(ends)]
         return min(ends)
