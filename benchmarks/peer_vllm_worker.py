@@ -27,7 +27,11 @@ def main() -> None:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = args.kv_cache_gib
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    out, sys.stdout = sys.stdout, sys.stderr  # vLLM's own prints must not reach the protocol
+    # the protocol gets its own copy of stdout; fd 1 becomes stderr, so that nothing vLLM or the
+    # engine processes it spawns print reaches the protocol
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -43,7 +47,9 @@ def main() -> None:
         )  # fmt: skip
     except Exception as exc:  # reported to the benchmark, which records it
         error = f"{type(exc).__name__}: {exc}"
-    print(json.dumps({"ready": error is None, "error": error, "vllm": __import__("vllm").__version__, "prefix_caching": caching and error is None}), file=out, flush=True)
+    budget = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens if error is None else None
+    hello = {"ready": error is None, "error": error, "vllm": __import__("vllm").__version__, "prefix_caching": caching and error is None}
+    print(json.dumps({**hello, "max_num_batched_tokens": budget}), file=out, flush=True)
     if error is not None:
         return
     for line in sys.stdin:

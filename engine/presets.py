@@ -50,6 +50,7 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
         "kvscope_hybrid-small": Preset(model_type="kvscope_hybrid", directory=WEIGHTS_DIR / "kvscope_hybrid-small"),
         "qwen3_next-small": Preset(model_type="qwen3_next", directory=WEIGHTS_DIR / "qwen3_next-small"),
+        "qwen3_next-hd64": Preset(model_type="qwen3_next", directory=WEIGHTS_DIR / "qwen3_next-hd64"),
         "kvscope_hybrid-tiny": Preset(model_type="kvscope_hybrid"),
         "qwen3_next-tiny": Preset(
             model_type="qwen3_next",

@@ -15,6 +15,7 @@ Shapes: T tokens, H heads, D_k / D_v key / value head dims, C channels, K conv k
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -38,8 +39,8 @@ def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor) -> tuple[Tensor
     """
     k = weight.shape[1]
     padded = torch.cat((conv_state.transpose(0, 1).to(x.dtype), x), dim=0)  # [K-1+T, C]
-    windows = padded.unfold(0, k, 1)  # [T, C, K]
-    y = (windows * weight.to(x.dtype)).sum(-1)
+    # depthwise: one group per channel (as transformers' nn.Conv1d with groups = C)
+    y = nn.functional.conv1d(padded.transpose(0, 1)[None], weight.to(x.dtype)[:, None], groups=weight.shape[0])[0].transpose(0, 1).contiguous()
     new_state = padded[padded.shape[0] - (k - 1) :].transpose(0, 1).contiguous()
     return nn.functional.silu(y), new_state
 
@@ -92,7 +93,17 @@ def chunk_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk_size: int = 64
 ) -> tuple[Tensor, Tensor]:
     """Chunked gated delta rule in float32: same result as :func:`gated_delta_rule` (up to
-    rounding), with the sequence split into chunks of ``chunk_size`` tokens.
+    rounding), with the sequence split into chunks of ``chunk_size`` tokens
+    (:func:`chunk_gated_delta_rule_states` without states on the way)."""
+    o, final, _ = chunk_gated_delta_rule_states(q, k, v, g, beta, state, (), chunk_size)
+    return o, final
+
+
+def chunk_gated_delta_rule_states(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, offsets: Sequence[int], chunk_size: int = 64
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The chunked gated delta rule, also handing back the state after each of ``offsets``
+    tokens (checkpoints taken inside one call: the inter-chunk recurrence passes them anyway).
 
     Within a chunk with start state S₀ and cumulative log-decay G_t = Σ_{s≤t} g_s the state is
     ``S_t = e^{G_t} S₀ + Σ_{s≤t} e^{G_t−G_s} k_s u_sᵀ``; the pseudo-values solve the unit
@@ -102,9 +113,20 @@ def chunk_gated_delta_rule(
     and Gated DeltaNet §3; as flash-linear-attention's ``chunk_gated_delta_rule``). Outputs are
     ``O = (e^{G} Q) S₀ + (Q Kᵀ ⊙ D) U`` with ``D_ts = e^{G_t−G_s}`` for s ≤ t.
 
-    Args and returns as :func:`gated_delta_rule`.
+    Args as :func:`gated_delta_rule`, and ``offsets``: ascending token counts in ``(0, T)``,
+    each a multiple of ``chunk_size``.
+
+    Returns:
+        ``(o [T, H, D_v], final_state [H, D_k, D_v], [state after offsets[i] tokens, ...])``,
+        float32.
+
+    Raises:
+        ValueError: an offset that is not a multiple of ``chunk_size`` inside ``(0, T)``.
     """
     t_len, h, dk = q.shape
+    if any(o <= 0 or o >= t_len or o % chunk_size for o in offsets):
+        raise ValueError(f"checkpoint offsets {list(offsets)} must be multiples of {chunk_size} inside (0, {t_len})")
+    at_chunk_end = {o // chunk_size - 1 for o in offsets}
     dv = v.shape[-1]
     pad = (-t_len) % chunk_size
     scale = 1.0 / math.sqrt(dk)
@@ -132,10 +154,13 @@ def chunk_gated_delta_rule(
     q_decayed = qc * gcum.exp()[..., None]
     k_to_end = kc * (gcum[..., -1:] - gcum).exp()[..., None]
     s = state.float().clone()
+    states: list[Tensor] = []
     out = torch.empty((h, qc.shape[1], chunk_size, dv), dtype=torch.float32, device=q.device)
     for n in range(qc.shape[1]):
         u = w[:, n] - kcum[:, n] @ s
         out[:, n] = q_decayed[:, n] @ s + intra[:, n] @ u
         s = s * gcum[:, n, -1].exp()[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
+        if n in at_chunk_end:
+            states.append(s)  # a new tensor each step: never written again
     # padded positions carry g = 0, beta = 0 and k = 0: they leave the state unchanged
-    return out.movedim(0, 2).reshape(-1, h, dv)[:t_len], s
+    return out.movedim(0, 2).reshape(-1, h, dv)[:t_len], s, states

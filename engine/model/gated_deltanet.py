@@ -28,9 +28,14 @@ from engine.model.state import LinearLayerState, SequenceState
 from kernels.gated_delta_rule_torch import (
     causal_conv1d,
     chunk_gated_delta_rule,
+    chunk_gated_delta_rule_states,
     gated_delta_rule,
     l2norm,
 )
+
+CHUNK = 64
+"""Tokens per chunk of the torch chunked delta rule (its default): checkpoint offsets that are
+multiples of it are taken in one pass."""
 
 
 class LinearAttentionConfig(Protocol):
@@ -119,13 +124,40 @@ class GatedDeltaNetBase(nn.Module):
         offsets = state.linear_checkpoints()
         if not offsets:
             return self._span(qkv, a, b, conv_weight, layer_state)
-        pieces, at = [], 0  # checkpoints inside the chunk: the recurrence stops at each of them
+        inner = self.kernel_backend != "triton"  # the torch chunked rule hands states over at its chunk ends
+        pieces, at, pending = [], 0, []
         for stop in (*offsets, qkv.shape[0]):
-            pieces.append(self._span(qkv[at:stop], a[at:stop], b[at:stop], conv_weight, layer_state))
-            if stop < qkv.shape[0]:
+            if inner and stop < qkv.shape[0] and (stop - at) % CHUNK == 0:
+                pending.append(stop)  # taken inside the next pass
+                continue
+            piece = slice(at, stop)
+            if pending:
+                pieces.append(self._one_pass(qkv[piece], a[piece], b[piece], conv_weight, state, at, pending))
+            else:
+                pieces.append(self._span(qkv[piece], a[piece], b[piece], conv_weight, layer_state))
+            if stop < qkv.shape[0]:  # the recurrence stops here
                 state.save_linear(self.layer, stop, layer_state.clone())
-            at = stop
+            at, pending = stop, []
         return torch.cat(pieces)
+
+    def _one_pass(
+        self, qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, state: SequenceState, start: int, offsets: list[int]
+    ) -> Tensor:
+        """:meth:`gated_delta` over ``qkv`` (the chunk's tokens from ``start``) in one chunked pass
+        whose chunk ends include every checkpoint offset (each ``start`` + a multiple of
+        :data:`CHUNK`): the recurrent states there come out of the inter-chunk recurrence, and
+        the conv states are the K − 1 inputs before each offset."""
+        layer_state = state.linear(self.layer)
+        inputs = torch.cat((layer_state.conv.transpose(0, 1).to(qkv.dtype), qkv))  # [K-1+T, C_conv]
+        mixed, layer_state.conv = causal_conv1d(qkv, conv_weight, layer_state.conv)
+        q, k, v, g, beta = self._gates(mixed, a, b)
+        relative = [o - start for o in offsets]
+        o, layer_state.recurrent, states = chunk_gated_delta_rule_states(q, k, v, g, beta, layer_state.recurrent, relative, CHUNK)
+        width = self.conv_kernel - 1
+        for offset, at, recurrent in zip(offsets, relative, states, strict=True):
+            conv = inputs[at : at + width].transpose(0, 1).clone(memory_format=torch.contiguous_format)
+            state.save_linear(self.layer, offset, LinearLayerState(conv, recurrent))
+        return o
 
     def _span(self, qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, layer_state: LinearLayerState) -> Tensor:
         """:meth:`gated_delta` over consecutive tokens of one sequence, its state replaced."""

@@ -11,11 +11,18 @@ import torch
 from engine.cache.config import CacheConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
+from kernels.gated_delta_rule_torch import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_states,
+    l2norm,
+)
 
-CACHE = CacheConfig(
-    unit_tokens=16, full_kv_blocks=160, swa_blocks=160, linear_checkpoints=24,
-    checkpoint_interval_tokens=64, max_prefill_chunk_tokens=256,
-)  # fmt: skip
+
+def cache(interval: int) -> CacheConfig:
+    return CacheConfig(
+        unit_tokens=16, full_kv_blocks=160, swa_blocks=160, linear_checkpoints=32,
+        checkpoint_interval_tokens=interval, max_prefill_chunk_tokens=256,
+    )  # fmt: skip
 
 
 def forwards(llm: LLM) -> list[int]:
@@ -31,14 +38,16 @@ def forwards(llm: LLM) -> list[int]:
     return lengths
 
 
-@pytest.mark.parametrize("model", ["qwen3_next-tiny", "qwen3_5-tiny"])
-def test_a_prefill_is_not_cut_at_checkpoints_and_resumes_exactly_at_one_inside_a_chunk(model: str) -> None:
-    llm = LLM(model, device="cpu", cache=CACHE)
+@pytest.mark.parametrize(("model", "interval"), [("qwen3_next-tiny", 64), ("qwen3_5-tiny", 64), ("qwen3_next-tiny", 16)])
+def test_a_prefill_is_not_cut_at_checkpoints_and_resumes_exactly_at_one_inside_a_chunk(model: str, interval: int) -> None:
+    """Interval 64: the checkpoints are chunk ends of the chunked delta rule (one pass); 16: the
+    recurrence stops at each of them (spans)."""
+    llm = LLM(model, device="cpu", cache=cache(interval))
     try:
         prompt = [(5 * i) % 251 + 1 for i in range(400)]
         lengths = forwards(llm)
         llm.generate(prompt, SamplingParams(max_tokens=0))
-        assert lengths == [256, 144]  # not [64, 64, ...]: checkpoints 64 … 384 taken inside
+        assert lengths == [256, 144]  # not [64, 64, ...]: the checkpoints up to 384 taken inside
         follow = prompt[:200] + [9, 8, 7, 6] * 10  # shares 200 tokens: the last checkpoint at or below is 192
         lengths.clear()
         warm = llm.score(follow)
@@ -64,3 +73,20 @@ def test_with_compressed_forms_a_prefill_still_ends_chunks_at_checkpoints(model:
         assert lengths == [64, 64, 64, 8]
     finally:
         llm.close()
+
+
+def test_the_states_on_the_way_are_those_of_stopping_there() -> None:
+    torch.manual_seed(0)
+    t, h, d = 200, 2, 8
+    q, k = l2norm(torch.randn(t, h, d)), l2norm(torch.randn(t, h, d))
+    v, g, beta, s0 = torch.randn(t, h, d), -torch.rand(t, h), torch.rand(t, h), torch.randn(h, d, d)
+    o, final, states = chunk_gated_delta_rule_states(q, k, v, g, beta, s0, (64, 128))
+    state, pieces = s0, []
+    for lo, hi in ((0, 64), (64, 128), (128, t)):
+        piece, state = chunk_gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
+        pieces.append((piece, state))
+    torch.testing.assert_close(o, torch.cat([p for p, _ in pieces]), atol=1e-5, rtol=1e-5)
+    for got, (_, want) in zip([*states, final], pieces, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        chunk_gated_delta_rule_states(q, k, v, g, beta, s0, (100,))

@@ -16,7 +16,7 @@ from engine.presets import PRESETS
 from engine.train import SCORED_BYTES, bigram_bits_per_byte, held_out_bits_per_byte, load_corpus
 from tests.helpers import TOLERANCE
 
-CHECKPOINTS = ("kvscope_hybrid-small", "qwen3_next-small")
+CHECKPOINTS = ("kvscope_hybrid-small", "qwen3_next-small", "qwen3_next-hd64")
 COMMON_WORDS = {"the", "and", "my", "to", "of", "you", "is", "that", "not", "with", "your", "be", "me", "for",
                 "his", "have", "this", "thou", "will", "what", "so", "but", "he", "her", "in", "a", "it", "our"}  # fmt: skip
 
