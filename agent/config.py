@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -280,12 +281,12 @@ class AgentConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, Path):
                 object.__setattr__(self, name, Path(value))
-        for name in ("vllm_kv_events", "vllm_kv_events_replay"):
+        for name in ("vllm_kv_events", "vllm_kv_events_replay"):  # where to connect: vLLM's bind address '*' is not one
             address = getattr(self, name)
-            if address is not None and not address.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"{name} must be a ZMQ address (tcp://HOST:PORT, ipc://PATH), got {address!r}")
-        if not self.vllm_engine_id or not self.vllm_model:
-            raise ValueError("vllm_engine_id and vllm_model must not be empty")
+            if address is not None and not re.fullmatch(r"tcp://[^*\s/:]+:\d{1,5}|tcp://\[[0-9a-fA-F:.]+\]:\d{1,5}|(ipc|inproc)://\S+", address):
+                raise ValueError(f"{name} must be a ZMQ address to connect to (tcp://HOST:PORT, ipc://PATH), got {address!r}")
+        if not 0 < len(self.vllm_engine_id) <= 256 or not 0 < len(self.vllm_model) <= 256:
+            raise ValueError("vllm_engine_id and vllm_model must be 1 to 256 characters (the event contract's names)")
         for name in ("external_url", "dashboard_url"):
             url = getattr(self, name)
             if url is not None and (not url.startswith(("http://", "https://")) or "{" in url or "}" in url):

@@ -98,8 +98,8 @@ def decode_message(frames: list[bytes]) -> VllmMessage:
     """``[topic, seq (8 bytes big-endian), payload]`` → :class:`VllmMessage`.
 
     Raises:
-        VllmEventError: another number of frames, a seq of another width, a payload that is not
-            a KV-event batch.
+        VllmEventError: another number of frames, a seq of another width or negative, a payload
+            that is not a KV-event batch.
     """
     if len(frames) != 3:
         raise VllmEventError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
@@ -110,7 +110,10 @@ def decode_message(frames: list[bytes]) -> VllmMessage:
         batch = _DECODER.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise VllmEventError(f"payload is not a vLLM KV-event batch: {exc}") from None
-    return VllmMessage(topic, int.from_bytes(seq_bytes, "big", signed=True), batch)
+    seq = int.from_bytes(seq_bytes, "big")
+    if seq >= 2**63:  # vLLM's seqs count up from 0 (its replay's end marker, -1, never comes here)
+        raise VllmEventError(f"the seq frame holds {seq - 2**64}, not a batch's seq (>= 0)")
+    return VllmMessage(topic, seq, batch)
 
 
 def hash_text(block_hash: bytes | int) -> str:

@@ -52,6 +52,7 @@ class VllmKvEventSubscriber:
         ingest: stores one batch through the agent's pipeline, blocking until it committed.
         last_stored: what the store holds for ``engine_id`` (read once, at start).
         replay_endpoint: vLLM's ROUTER replay address (``replay_endpoint``), or None.
+        replay_timeout_seconds: how long a replay may go without a message before it is given up.
         engine_id / model: the names the rows get (vLLM's events carry neither).
         topic: the topic subscribed to (vLLM's ``topic``; empty: every message).
 
@@ -95,8 +96,18 @@ class VllmKvEventSubscriber:
         """Messages that were not vLLM KV-event batches (logged, skipped)."""
         self.restarts = 0
         """Times vLLM's publisher was seen to start again from a lower seq."""
+        self.errors = 0
+        """Batches whose storing raised (logged; the batch is asked for again on replay)."""
 
     def start(self) -> None:
+        """Read back what the store holds for ``engine_id`` and start the subscriber thread.
+
+        Raises:
+            RuntimeError: started already.
+            duckdb.Error: the store could not be read.
+        """
+        if self._thread is not None:
+            raise RuntimeError("the vLLM KV-event subscriber is started already")
         last = self._last_stored(self.engine_id)
         if last is not None:
             self._top, run_id = last
@@ -109,6 +120,8 @@ class VllmKvEventSubscriber:
         log.info("subscribed to vLLM KV events at %s (engine_id %r)", self.endpoint, self.engine_id)
 
     def close(self, timeout_seconds: float = 5.0) -> None:
+        """Stop the thread and wait up to ``timeout_seconds`` for it (a batch being stored
+        finishes first; past the timeout the daemon thread is left to end by itself)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_seconds)
@@ -121,10 +134,15 @@ class VllmKvEventSubscriber:
         sub.connect(self.endpoint)
         try:
             while not self._stop.is_set():
-                if sub.poll(100):
-                    self._on_live(sub.recv_multipart())
-        except Exception:  # the thread must say why it stopped; the agent keeps serving
-            log.exception("the vLLM KV-event subscriber stopped")
+                if not sub.poll(100):
+                    continue
+                frames = sub.recv_multipart()
+                try:
+                    self._on_live(frames)
+                except Exception:  # one batch failed (a store error): logged, counted; the next goes on
+                    self.errors += 1
+                    log.exception("storing a vLLM KV-event batch failed (%d so far); with a replay address the next one asks for it again", self.errors)
+                    self._stop.wait(min(5.0, 0.1 * self.errors))
         finally:
             sub.close(0)
 
@@ -153,9 +171,8 @@ class VllmKvEventSubscriber:
         dealer.connect(self.replay_endpoint)
         try:
             dealer.send_multipart((b"", first.to_bytes(8, "big")))
-            deadline = time.monotonic() + self.replay_timeout_seconds
-            while (remaining := deadline - time.monotonic()) > 0 and not self._stop.is_set():
-                if not dealer.poll(int(remaining * 1000) + 1):
+            while not self._stop.is_set():  # an idle timeout: storing a replayed batch does not count
+                if not dealer.poll(int(self.replay_timeout_seconds * 1000) + 1):
                     break
                 frames = dealer.recv_multipart()
                 if frames and frames[0] == b"":
@@ -165,7 +182,7 @@ class VllmKvEventSubscriber:
                 message = self._decoded(frames)
                 if message is not None and first <= message.seq < live:
                     self._store(message)
-            log.warning("vLLM's replay of seqs %d..%d did not finish within %.1f s", first, live - 1, self.replay_timeout_seconds)
+            log.warning("vLLM's replay of seqs %d..%d went silent for %.1f s before its end", first, live - 1, self.replay_timeout_seconds)
         finally:
             dealer.close(0)
 

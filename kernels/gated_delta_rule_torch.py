@@ -113,19 +113,20 @@ def chunk_gated_delta_rule_states(
     and Gated DeltaNet §3; as flash-linear-attention's ``chunk_gated_delta_rule``). Outputs are
     ``O = (e^{G} Q) S₀ + (Q Kᵀ ⊙ D) U`` with ``D_ts = e^{G_t−G_s}`` for s ≤ t.
 
-    Args as :func:`gated_delta_rule`, and ``offsets``: ascending token counts in ``(0, T)``,
-    each a multiple of ``chunk_size``.
+    Args as :func:`gated_delta_rule`, and ``offsets``: ascending distinct token counts in
+    ``(0, T)``, each a multiple of ``chunk_size``.
 
     Returns:
         ``(o [T, H, D_v], final_state [H, D_k, D_v], [state after offsets[i] tokens, ...])``,
         float32.
 
     Raises:
-        ValueError: an offset that is not a multiple of ``chunk_size`` inside ``(0, T)``.
+        ValueError: offsets not ascending and distinct, or one that is not a multiple of
+            ``chunk_size`` inside ``(0, T)``.
     """
     t_len, h, dk = q.shape
-    if any(o <= 0 or o >= t_len or o % chunk_size for o in offsets):
-        raise ValueError(f"checkpoint offsets {list(offsets)} must be multiples of {chunk_size} inside (0, {t_len})")
+    if any(o <= 0 or o >= t_len or o % chunk_size for o in offsets) or list(offsets) != sorted(set(offsets)):
+        raise ValueError(f"checkpoint offsets {list(offsets)} must be ascending distinct multiples of {chunk_size} inside (0, {t_len})")
     at_chunk_end = {o // chunk_size - 1 for o in offsets}
     dv = v.shape[-1]
     pad = (-t_len) % chunk_size

@@ -164,9 +164,14 @@ class PagedSequence:
         return self.linear_states[layer]
 
     def linear_checkpoints(self) -> tuple[int, ...]:
+        """Checkpoint positions inside the current chunk, as ascending token offsets from its
+        start (empty unless ``FormSet.checkpoints_inside_chunks``, prefix caching is on and the
+        sequence is not approximate)."""
         return self._inner_offsets
 
     def save_linear(self, layer: int, offset: int, state: LinearLayerState) -> None:
+        """Keep ``layer``'s state after ``offset`` tokens of the current chunk (one of
+        :meth:`linear_checkpoints`; ``state`` must not be written again); stored at :meth:`commit`."""
         self._inner_states.setdefault(self.num_computed_tokens + offset, {})[layer] = state
 
     def compressed(self, layer: int, spec: CompressedLayerSpec) -> CompressedLayerState:
@@ -224,7 +229,7 @@ class PagedSequence:
         self._chunk_positions = positions
         self._inner_states = {}
         self._inner_offsets = ()
-        if self.form_set.checkpoints_inside_chunks and not self.approximate:
+        if self.form_set.checkpoints_inside_chunks and self.form_set.config.enable_prefix_caching and not self.approximate:
             self._inner_offsets = tuple(sorted(p - start for p in self.checkpoint_positions if start < p < end and p % u == 0))
         return positions
 
@@ -250,11 +255,11 @@ class PagedSequence:
                 self.last_checkpoint_reached = inner
                 if self.writer.save_checkpoint(self.hashes, inner, self._inner_states[inner], self.compressed_states):
                     self.last_checkpoint_tokens = inner
-            self._inner_states = {}
             if take_checkpoint and end % u == 0:
                 self.last_checkpoint_reached = end
                 if self.writer.save_checkpoint(self.hashes, end, self.linear_states, self.compressed_states):
                     self.last_checkpoint_tokens = end
+        self._inner_states = {}
         self.published_pages = max(self.published_pages, full_pages)
         self._trim_windows()
 

@@ -18,11 +18,13 @@ import msgspec
 import pytest
 import zmq
 
+from agent.ingest import IngestOutcome
 from agent.metrics import AgentMetrics
 from agent.pipeline import Ingestor
 from agent.store import Store
 from agent.vllm_events import VllmEventError, decode_message
 from agent.vllm_subscriber import VllmKvEventSubscriber, pipeline_ingest, store_last_stored
+from engine.events import EventBatch
 
 FIXTURE = Path(__file__).resolve().parents[1] / "peer" / "data" / "vllm_kv_events.json"
 ENGINE = "vllm-test"
@@ -217,6 +219,8 @@ def test_a_message_that_is_not_a_batch_is_skipped_and_nothing_stored_is_lost(
         decode_message([b"x"])
     with pytest.raises(VllmEventError, match="not a vLLM KV-event batch"):
         decode_message([b"", (0).to_bytes(8, "big"), b"\x93not msgpack"])
+    with pytest.raises(VllmEventError, match="holds -1"):
+        decode_message(with_seq(messages[0], 2**64 - 1))
     sub = subscriber(store, pipeline, metrics, publisher.address)
     try:
         publisher.wait_for_subscriber()
@@ -234,6 +238,53 @@ def test_a_message_that_is_not_a_batch_is_skipped_and_nothing_stored_is_lost(
 def test_the_agent_config_refuses_an_address_that_is_not_zmq(tmp_path: Path) -> None:
     from agent.config import AgentConfig
 
-    with pytest.raises(ValueError, match="vllm_kv_events must be a ZMQ address"):
-        AgentConfig(data_dir=tmp_path, vllm_kv_events="http://127.0.0.1:5557")
+    for wrong in ("http://127.0.0.1:5557", "tcp://*:5557", "tcp://127.0.0.1"):  # '*' is where vLLM binds, not an address to reach
+        with pytest.raises(ValueError, match="vllm_kv_events must be a ZMQ address"):
+            AgentConfig(data_dir=tmp_path, vllm_kv_events=wrong)
+    with pytest.raises(ValueError, match="1 to 256 characters"):
+        AgentConfig(data_dir=tmp_path, vllm_model="m" * 257)
     assert AgentConfig(data_dir=tmp_path, vllm_kv_events="tcp://127.0.0.1:5557").vllm_kv_events == "tcp://127.0.0.1:5557"
+
+
+def test_a_batch_whose_storing_failed_is_asked_for_again(store: Store, metrics: AgentMetrics, pipeline: Ingestor, publisher: Publisher) -> None:
+    """The first attempt to store batch 1 raises (as a store error would); the subscriber goes on,
+    and batch 2's arrival asks vLLM's replay socket for 1 again."""
+    messages = recorded()[:3]
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    replay = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    asked: list[int] = []
+
+    def serve_replay() -> None:
+        if router.poll(10_000):
+            client, _, start = router.recv_multipart()
+            asked.append(int.from_bytes(start, "big"))
+            router.send_multipart([client, b"", *messages[1]])
+            router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    server = threading.Thread(target=serve_replay)
+    server.start()
+    real = pipeline_ingest(lambda: pipeline, metrics)
+    failed: list[int] = []
+
+    def flaky(batch: EventBatch) -> IngestOutcome | None:
+        if batch.seq == 1 and not failed:
+            failed.append(batch.seq)
+            raise RuntimeError("the store is unavailable")
+        return real(batch)
+
+    sub = VllmKvEventSubscriber(
+        publisher.address, ingest=flaky, last_stored=store_last_stored(store), replay_endpoint=replay, engine_id=ENGINE, model="m"
+    )  # fmt: skip
+    sub.start()
+    try:
+        publisher.wait_for_subscriber()
+        for frames in messages:
+            publisher.send(frames)
+        wait_until(lambda: stored_seqs(store) == [0, 1, 2])
+        server.join(10)
+    finally:
+        sub.close()
+        router.close(0)
+    assert failed == [1] and sub.errors == 1 and asked == [1]
+    assert rows(store) == expected_rows(messages)

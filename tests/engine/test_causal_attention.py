@@ -22,17 +22,28 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.Tenso
 
 
 CASES = [
-    # (T, prefix, heads, kv heads, window)
-    (64, 0, 4, 2, None),  # no prefix: one causal call
-    (48, 80, 4, 2, None),  # a prefix: two calls merged
-    (33, 200, 4, 4, None),  # no grouping, odd lengths
-    (40, 24, 4, 1, 100),  # a window that cuts nothing
-    (40, 120, 4, 2, 64),  # a window that cuts: the masked path
+    # (T, prefix, heads, kv heads, window, calls of the flash kernel)
+    (64, 0, 4, 2, None, 1),  # no prefix: one causal call
+    (48, 80, 4, 2, None, 2),  # a prefix: two calls merged
+    (33, 200, 4, 4, None, 2),  # no grouping, odd lengths
+    (40, 24, 4, 1, 100, 2),  # a window that cuts nothing
+    (40, 120, 4, 2, 64, 0),  # a window that cuts: the masked path
 ]
 
 
-@pytest.mark.parametrize(("t", "prefix", "h", "h_kv", "window"), CASES)
-def test_the_fast_path_equals_masked_attention(t: int, prefix: int, h: int, h_kv: int, window: int | None) -> None:
+@pytest.mark.parametrize(("t", "prefix", "h", "h_kv", "window", "flash_calls"), CASES)
+def test_the_fast_path_equals_masked_attention(
+    t: int, prefix: int, h: int, h_kv: int, window: int | None, flash_calls: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert ca._flash_cpu is not None, "this torch has no CPU flash kernel: the fast path is never taken"
+    calls: list[bool] = []
+    real = ca._flash_cpu
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ca, "_flash_cpu", counted)
     gen = torch.Generator().manual_seed(t + prefix)
     d, start = 32, 7
     q = torch.randn(t, h, d, generator=gen)
@@ -43,6 +54,7 @@ def test_the_fast_path_equals_masked_attention(t: int, prefix: int, h: int, h_kv
     with torch.no_grad():
         got = causal_attention(q, k, v, qp, kp, scale=d**-0.5, window=window)
     want = reference(q, k, v, qp, kp, d**-0.5, window)
+    assert len(calls) == flash_calls
     assert got.shape == (t, h, d)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
 

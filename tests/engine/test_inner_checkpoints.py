@@ -5,11 +5,14 @@ state at each checkpoint position inside the chunk; a later request resumes ther
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from engine.cache.config import CacheConfig
 from engine.llm import LLM
+from engine.model.gated_deltanet import GatedDeltaNetBase
 from engine.sampling import SamplingParams
 from kernels.gated_delta_rule_torch import (
     chunk_gated_delta_rule,
@@ -90,3 +93,28 @@ def test_the_states_on_the_way_are_those_of_stopping_there() -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="multiples of 64"):
         chunk_gated_delta_rule_states(q, k, v, g, beta, s0, (100,))
+
+
+def test_a_pass_that_ends_at_a_checkpoint_off_the_64_grid_resumes_there_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 424-token prompt: its second chunk [256, 424) holds checkpoints at 320 and 384 (one pass,
+    from its chunk ends) and at 416, the last unit boundary before the end, 160 past the pass's
+    start: the recurrence stops there. A follow-up resumes at 416 and equals a cold prefill."""
+    passes: list[tuple[int, tuple[int, ...]]] = []
+    real = GatedDeltaNetBase._one_pass
+
+    def counted(self: GatedDeltaNetBase, qkv: torch.Tensor, *args: Any) -> torch.Tensor:
+        passes.append((int(qkv.shape[0]), tuple(args[-1])))
+        return real(self, qkv, *args)
+
+    monkeypatch.setattr(GatedDeltaNetBase, "_one_pass", counted)
+    llm = LLM("qwen3_next-tiny", device="cpu", cache=cache(64))
+    try:
+        prompt = [(7 * i) % 251 + 1 for i in range(424)]
+        llm.generate(prompt, SamplingParams(max_tokens=0))
+        assert set(passes) == {(256, (64, 128, 192)), (160, (64, 128))}  # offsets in the chunk: chunk 1, then chunk 2 up to 416
+        follow = prompt[:420] + [4, 5, 6] * 8
+        warm = llm.score(follow)
+        assert warm.resume_tokens == 416
+        torch.testing.assert_close(warm.logits, llm.prefill_logits(follow)[416:], atol=2e-5, rtol=1e-4)
+    finally:
+        llm.close()
