@@ -92,11 +92,12 @@ def tiny_checkpoint(directory: Path) -> None:
 
 
 class VllmWorker:
-    def __init__(self, model: Path, threads: int, log: Path) -> None:
+    def __init__(self, model: Path, threads: int, log: Path, max_model_len: int = 9216) -> None:
         self._log = log.open("w")
         self.process = subprocess.Popen(
             # -I: benchmarks/ (whose kernels.py would shadow the hub's ``kernels`` package transformers probes) stays off the path
-            [str(VLLM_PYTHON), "-I", str(ROOT / "benchmarks/peer_vllm_worker.py"), str(model), "--threads", str(threads)],
+            [str(VLLM_PYTHON), "-I", str(ROOT / "benchmarks/peer_vllm_worker.py"), str(model), "--threads", str(threads),
+             "--max-model-len", str(max_model_len)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=ROOT,
         )  # fmt: skip
         self.hello = self._read()
@@ -161,7 +162,7 @@ def main() -> None:
         model = Path(tmp) / "tiny-qwen3-next" if random else args.model
         if random:
             tiny_checkpoint(model)
-        worker = VllmWorker(model, args.threads, Path(tmp) / "vllm.log")
+        worker = VllmWorker(model, args.threads, Path(tmp) / "vllm.log", max_model_len=max(max(lengths), 8192) + 1024)
         blocks = 4 * max(lengths) // 16 + 64
         chunk = max(16, (worker.hello.get("max_num_batched_tokens") or 2048) // 16 * 16)  # vLLM's scheduler budget
         cache = CacheConfig(full_kv_blocks=blocks, linear_checkpoints=4 * max(lengths) // 128 + 16, max_prefill_chunk_tokens=chunk)
