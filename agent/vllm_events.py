@@ -27,7 +27,6 @@ per-request hit or recovery (no ``cache_lookup`` rows come from vLLM).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
@@ -164,10 +163,3 @@ def _tier(medium: str | None) -> Tier:
 def _row(ts: float, engine_id: str, model: str, form: Form, tier: Tier, action: BlockAction, block_hash: str, tokens: int) -> BlockEvent:
     return BlockEvent(ts=ts, engine_id=engine_id, model=model, form=form, tier=tier, action=action, block_hash=block_hash, block_id=0, num_tokens=tokens)
 
-
-def describe(batch: Any) -> str:
-    """A short description of a batch for logs."""
-    if not isinstance(batch, KVEventBatch):
-        return repr(batch)[:80]
-    kinds = [type(e).__name__ for e in batch.events]
-    return f"{len(kinds)} events ({', '.join(sorted(set(kinds)))})"

@@ -84,10 +84,13 @@ def causal_attention(
     aligned = q0 is not None and k0 is not None and s >= t and k0 + s == q0 + t
     uncut = window is None or (q0 is not None and k0 is not None and q0 + t - 1 - k0 < window)
     if aligned and uncut and _flash_cpu is not None and q.device.type == "cpu" and t > 1 and not torch.is_grad_enabled():
-        group = q.shape[1] // keys.shape[1]
-        qh = q.transpose(0, 1).unsqueeze(0)
-        kh = keys.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0) if group > 1 else keys.transpose(0, 1).unsqueeze(0)
-        vh = values.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0) if group > 1 else values.transpose(0, 1).unsqueeze(0)
+        group = q.shape[1] // keys.shape[1]  # the kernel takes no grouping: KV heads repeated
+
+        def heads(x: Tensor, repeat: int = group) -> Tensor:  # [S, H, D] -> [1, H·repeat, S, D]
+            x = x.transpose(0, 1)
+            return (x.repeat_interleave(repeat, dim=0) if repeat > 1 else x).unsqueeze(0)
+
+        qh, kh, vh = heads(q, 1), heads(keys), heads(values)
         prefix = s - t
         if prefix == 0:
             out, _ = _flash_cpu(qh, kh, vh, 0.0, True, scale=scale)

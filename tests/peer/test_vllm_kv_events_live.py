@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import subprocess
 import time
 from collections import Counter
@@ -16,16 +15,12 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from agent_process import ROOT, start_agent
+
+from tests.agent_process import ROOT, start_agent
+from tests.helpers import free_port
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's CPU build is not installed: run `make peer-vllm`")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def hash_rows(path: Path) -> Counter[str]:
